@@ -1,3 +1,16 @@
-"""keras_fastloop: an expert training step for Keras 3 on TensorFlow."""
+"""keras_fastloop: an expert training step for Keras 3 on TensorFlow.
+
+Swap ``keras.Model`` for :class:`OptimizedModel` and keep calling ``compile``/``fit``.
+"""
+
+from keras_fastloop import clipping, weighting
+from keras_fastloop.model import OptimizedModel
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "OptimizedModel",
+    "__version__",
+    "clipping",
+    "weighting",
+]

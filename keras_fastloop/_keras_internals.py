@@ -1,0 +1,18 @@
+"""Every use of Keras internals (``keras.src``) in keras_fastloop, in one place.
+
+Keras 3 keeps a few things we need off its public API. Each one is imported here and nowhere
+else, and ``tests/test_keras_internals.py`` fails loudly if a Keras upgrade moves or changes them.
+"""
+
+from keras.src.backend import get_keras_mask
+from keras.src.losses.loss import scale_loss_for_distribution, unscale_loss_for_distribution
+from keras.src.saving import serialization_lib
+from keras.src.trainers.compile_utils import get_loss
+
+__all__ = [
+    "get_keras_mask",
+    "get_loss",
+    "scale_loss_for_distribution",
+    "serialization_lib",
+    "unscale_loss_for_distribution",
+]

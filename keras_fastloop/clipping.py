@@ -1,0 +1,303 @@
+"""Gradient clipping applied once, to the aggregated and unscaled gradient.
+
+``compile(gradient_clipping=...)`` takes ``None``, a float (global-norm clipping at that value),
+or one of the objects below. :class:`~keras_fastloop.OptimizedModel` calls the clipper after the
+gradients are summed across replicas and divided by the loss scale, so the update that is applied
+obeys the threshold (Keras' own ``clipnorm``/``global_clipnorm`` act per replica before the sum).
+
+Every clipper is a callable ``clipper(grads, variables, global_norm) -> grads`` where ``grads`` and
+``variables`` are equally long lists and ``global_norm`` is the float32 scalar global norm of
+``grads`` (computed once by the step).
+"""
+
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+from keras import ops
+
+_PACKAGE = "keras_fastloop"
+
+
+def _positive(name, value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"`{name}` must be a positive number. Received: {name}={value!r}")
+    return float(value)
+
+
+class GradientClipping:
+    """Base class of the clippers; subclasses implement ``__call__``.
+
+    Stateful clippers (``AutoClip``) create their variables in ``build(owner)`` with
+    ``owner.add_weight``; the model calls it in ``compile()`` (under the active distribution
+    strategy) with the layer that holds the step's state, so the variables are saved, restored by
+    ``BackupAndRestore`` and identical on every replica.
+    """
+
+    def build(self, owner):
+        """Create state variables on the Keras layer ``owner`` (no-op for stateless clippers)."""
+
+    @property
+    def variables(self):
+        return []
+
+    def __call__(self, grads, variables, global_norm):
+        raise NotImplementedError
+
+    def get_config(self):
+        raise NotImplementedError
+
+    @classmethod
+    def from_config(cls, config):
+        return cls(**config)
+
+    def __repr__(self):
+        args = ", ".join(f"{k}={v!r}" for k, v in self.get_config().items())
+        return f"{type(self).__name__}({args})"
+
+
+@keras.saving.register_keras_serializable(package=_PACKAGE)
+class ClipByGlobalNorm(GradientClipping):
+    """Scale all gradients together so their global L2 norm is at most ``clipnorm``.
+
+    ``g_i <- g_i * clipnorm / max(global_norm, clipnorm)``, the same as ``tf.clip_by_global_norm``
+    and Keras' ``global_clipnorm``, but on the gradient that is actually applied.
+
+    Args:
+        clipnorm: positive float, the largest global norm allowed.
+
+    Raises:
+        ValueError: if ``clipnorm`` is not a positive number.
+
+    Example:
+        >>> clip = ClipByGlobalNorm(1.0)   # or compile(gradient_clipping=1.0)
+
+    Reference:
+        Pascanu, Mikolov & Bengio, "On the difficulty of training recurrent neural networks",
+        ICML 2013.
+    """
+
+    def __init__(self, clipnorm):
+        self.clipnorm = _positive("clipnorm", clipnorm)
+
+    def __call__(self, grads, variables, global_norm):
+        clipped, _ = tf.clip_by_global_norm(grads, self.clipnorm, use_norm=global_norm)
+        return clipped
+
+    def get_config(self):
+        return {"clipnorm": self.clipnorm}
+
+
+@keras.saving.register_keras_serializable(package=_PACKAGE)
+class ClipByNorm(GradientClipping):
+    """Clip each variable's gradient to an L2 norm of at most ``clipnorm`` (Keras' ``clipnorm``).
+
+    Args:
+        clipnorm: positive float, the largest norm allowed per variable.
+
+    Raises:
+        ValueError: if ``clipnorm`` is not a positive number.
+    """
+
+    def __init__(self, clipnorm):
+        self.clipnorm = _positive("clipnorm", clipnorm)
+
+    def __call__(self, grads, variables, global_norm):
+        return [tf.clip_by_norm(g, self.clipnorm) for g in grads]
+
+    def get_config(self):
+        return {"clipnorm": self.clipnorm}
+
+
+@keras.saving.register_keras_serializable(package=_PACKAGE)
+class ClipByValue(GradientClipping):
+    """Clip every gradient element to ``[-clipvalue, clipvalue]`` (Keras' ``clipvalue``).
+
+    Args:
+        clipvalue: positive float.
+
+    Raises:
+        ValueError: if ``clipvalue`` is not a positive number.
+    """
+
+    def __init__(self, clipvalue):
+        self.clipvalue = _positive("clipvalue", clipvalue)
+
+    def __call__(self, grads, variables, global_norm):
+        return [ops.clip(g, -self.clipvalue, self.clipvalue) for g in grads]
+
+    def get_config(self):
+        return {"clipvalue": self.clipvalue}
+
+
+def unitwise_norm(x):
+    """L2 norm per output unit, broadcastable to ``x``.
+
+    Vectors and scalars (biases, gains) count as one unit; for a kernel of shape
+    ``(..., units)`` (Dense ``(in, out)``, Conv ``(kh, kw, in, out)``) each slice along the last
+    axis is a unit, so the norm is taken over all other axes.
+    """
+    if len(x.shape) <= 1:
+        return ops.sqrt(ops.sum(ops.square(x)))
+    axes = tuple(range(len(x.shape) - 1))
+    return ops.sqrt(ops.sum(ops.square(x), axis=axes, keepdims=True))
+
+
+@keras.saving.register_keras_serializable(package=_PACKAGE)
+class AdaptiveGradientClipping(GradientClipping):
+    """Unit-wise adaptive gradient clipping (AGC).
+
+    For every unit ``i`` of every variable ``W`` with gradient ``G``:
+    ``G_i <- G_i * clip_factor * max(|W_i|, eps) / |G_i|`` when
+    ``|G_i| / max(|W_i|, eps) > clip_factor`` (norms are L2, see :func:`unitwise_norm`).
+
+    Args:
+        clip_factor: positive float, the largest allowed ratio of gradient norm to parameter norm.
+            Default 0.01 (the paper's value for batch size 4096; larger batches want smaller).
+        eps: positive float, floor on the parameter norm so zero-initialised parameters can move.
+            Default 1e-3.
+
+    Raises:
+        ValueError: if ``clip_factor`` or ``eps`` is not a positive number.
+
+    Reference:
+        Brock, De, Smith & Simonyan, "High-Performance Large-Scale Image Recognition Without
+        Normalization", ICML 2021 (NFNets), section 4.1.
+    """
+
+    def __init__(self, clip_factor=0.01, eps=1e-3):
+        self.clip_factor = _positive("clip_factor", clip_factor)
+        self.eps = _positive("eps", eps)
+
+    def __call__(self, grads, variables, global_norm):
+        clipped = []
+        for g, v in zip(grads, variables):
+            w = ops.cast(v, g.dtype)
+            max_norm = self.clip_factor * ops.maximum(unitwise_norm(w), self.eps)
+            g_norm = unitwise_norm(g)
+            # Divide by a safe norm; where the gradient is under the threshold keep it as is.
+            scaled = g * (max_norm / ops.maximum(g_norm, 1e-6))
+            clipped.append(ops.where(g_norm > max_norm, scaled, g))
+        return clipped
+
+    def get_config(self):
+        return {"clip_factor": self.clip_factor, "eps": self.eps}
+
+
+@keras.saving.register_keras_serializable(package=_PACKAGE)
+class AutoClip(GradientClipping):
+    """Clip at a percentile of the history of gradient norms (AutoClip).
+
+    Every step appends the current global gradient norm to a history kept in variables (so it is
+    checkpointed and restored with the model), then clips the global norm at the
+    ``percentile``-th percentile of the history (linear interpolation, as ``numpy.percentile``).
+    Non-finite norms are not recorded (those steps are skipped by the step's guard).
+
+    Args:
+        percentile: float in (0, 100], the percentile of past norms used as threshold.
+            Default 10.0 (the paper's recommendation).
+        history_size: positive int, how many recent norms are kept (a ring buffer). Default 10000.
+
+    Raises:
+        ValueError: if ``percentile`` is outside (0, 100] or ``history_size`` is not a
+            positive integer.
+
+    Reference:
+        Seetharaman, Wichern, Pardo & Le Roux, "AutoClip: Adaptive Gradient Clipping for Source
+        Separation Networks", IEEE MLSP 2020.
+    """
+
+    def __init__(self, percentile=10.0, history_size=10000):
+        if (
+            isinstance(percentile, bool)
+            or not isinstance(percentile, (int, float))
+            or not 0 < percentile <= 100
+        ):
+            raise ValueError(
+                f"`percentile` must be a number in (0, 100]. Received: percentile={percentile!r}"
+            )
+        if isinstance(history_size, bool) or not isinstance(history_size, int) or history_size < 1:
+            raise ValueError(
+                "`history_size` must be a positive integer. "
+                f"Received: history_size={history_size!r}"
+            )
+        self.percentile = float(percentile)
+        self.history_size = history_size
+        self.history = None
+        self.count = None
+
+    def build(self, owner):
+        if self.history is not None:
+            return
+        self.history = owner.add_weight(
+            shape=(self.history_size,),
+            initializer="zeros",
+            dtype="float32",
+            trainable=False,
+            name="autoclip_history",
+            aggregation="only_first_replica",
+        )
+        self.count = owner.add_weight(
+            shape=(),
+            initializer="zeros",
+            dtype="int64",
+            trainable=False,
+            name="autoclip_count",
+            aggregation="only_first_replica",
+        )
+
+    @property
+    def variables(self):
+        return [] if self.history is None else [self.history, self.count]
+
+    def threshold(self, global_norm):
+        """Record ``global_norm`` (if finite) and return the current clipping threshold."""
+        finite = ops.isfinite(global_norm)
+        slot = ops.cast(self.count % self.history_size, "int32")
+        recorded = ops.where(finite, global_norm, self.history[slot])
+        self.history.assign(ops.scatter_update(self.history, [[slot]], ops.reshape(recorded, (1,))))
+        self.count.assign_add(ops.cast(finite, "int64"))
+        n = ops.cast(ops.minimum(ops.maximum(self.count, 1), self.history_size), "int32")
+        values = ops.sort(self.history[:n])
+        position = (self.percentile / 100.0) * ops.cast(n - 1, "float32")
+        lower = ops.cast(ops.floor(position), "int32")
+        upper = ops.minimum(lower + 1, n - 1)
+        frac = position - ops.cast(lower, "float32")
+        return values[lower] + frac * (values[upper] - values[lower])
+
+    def __call__(self, grads, variables, global_norm):
+        threshold = self.threshold(global_norm)
+        clipped, _ = tf.clip_by_global_norm(grads, threshold, use_norm=global_norm)
+        return clipped
+
+    def get_config(self):
+        return {"percentile": self.percentile, "history_size": self.history_size}
+
+
+def get(identifier):
+    """Resolve ``compile(gradient_clipping=...)`` into a clipper or ``None``.
+
+    Args:
+        identifier: ``None``; a positive float (global-norm clipping at that value); a
+            :class:`GradientClipping` instance; or a config dict from ``keras.saving``.
+
+    Returns:
+        A :class:`GradientClipping` instance or ``None``.
+
+    Raises:
+        ValueError: for a non-positive number.
+        TypeError: for anything else.
+    """
+    if identifier is None or isinstance(identifier, GradientClipping):
+        return identifier
+    if isinstance(identifier, (int, float)) and not isinstance(identifier, bool):
+        return ClipByGlobalNorm(identifier)
+    if isinstance(identifier, dict):
+        obj = keras.saving.deserialize_keras_object(identifier)
+        if isinstance(obj, GradientClipping):
+            return obj
+    raise TypeError(
+        "`gradient_clipping` must be None, a positive float (global-norm threshold) or a "
+        "keras_fastloop.clipping object (ClipByGlobalNorm, ClipByNorm, ClipByValue, "
+        f"AdaptiveGradientClipping, AutoClip). Received: gradient_clipping={identifier!r}"
+    )

@@ -1,0 +1,117 @@
+"""The interface between OptimizedModel's step and a multi-task loss weighting method.
+
+The step calls, in order, inside one ``tf.function``:
+
+1. ``build(model, state, task_names, static_weights)`` once, from ``compile()``: create every
+   variable. Trainable ones (e.g. UW's log-variances) with ``model.add_weight`` so the optimizer
+   trains them; state (EMAs, previous losses, current weights) with ``state.add_weight(...,
+   trainable=False)`` so it is checkpointed, restored by ``BackupAndRestore`` and identical on
+   every replica (use ``aggregation="only_first_replica"``).
+2. ``combine(losses)`` inside the gradient tape: returns the differentiable weighted objective
+   (without regularization losses) and the weights used, a float32 vector of shape ``(T,)``.
+3. ``gradients(tape, losses, objective, variables, scale_loss)``: the gradients of the (loss
+   scaled) objective for ``variables``. Loss-based methods keep the default (one backward pass);
+   gradient-based methods override it and set ``requires_task_gradients = True`` (the step then
+   records a persistent tape).
+4. ``update(losses)`` after the optimizer applied the update (only on steps that were applied):
+   advance the method's state.
+
+Weights are read from variables at run time, never baked into the trace: assigning
+``model.loss_weighting.weights`` (or any state variable) during ``fit`` takes effect on the next
+step without retracing.
+"""
+
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+from keras import ops
+
+_PACKAGE = "keras_fastloop"
+
+
+class LossWeighting:
+    """Base class of multi-task loss weighting methods (see the module docstring for the protocol).
+
+    Subclasses set ``name`` (the LibMTL short id), implement ``combine`` and, for
+    gradient-based methods, ``gradients``. Keras-serializable through ``get_config`` /
+    ``from_config``.
+    """
+
+    name = "base"
+    requires_task_gradients = False
+
+    def __init__(self):
+        self.task_names = None
+        self.weights = None  # float32 variable of shape (T,), the weights used by the last step
+
+    @property
+    def num_tasks(self):
+        return len(self.task_names)
+
+    def build(self, model, state, task_names, static_weights):
+        """Create variables. ``static_weights`` are the floats of ``compile(loss_weights=...)``."""
+        if len(task_names) < 2 and self.name not in ("static", "ew"):
+            raise ValueError(
+                f"Loss weighting '{self.name}' needs a model with at least two outputs that have "
+                f"a loss. Received: {len(task_names)} task(s) {list(task_names)}"
+            )
+        self.task_names = list(task_names)
+        self.weights = state.add_weight(
+            shape=(len(task_names),),
+            initializer=keras.initializers.Constant(self.initial_weights(static_weights)),
+            dtype="float32",
+            trainable=False,
+            name="loss_weights",
+            aggregation="only_first_replica",
+        )
+
+    def initial_weights(self, static_weights):
+        return [1.0] * len(static_weights)
+
+    def combine(self, losses):
+        """Weighted objective ``sum_i w_i * L_i`` with ``w`` read from the ``weights`` variable."""
+        weights = ops.convert_to_tensor(self.weights)
+        return ops.sum(ops.stack(losses) * ops.stop_gradient(weights)), weights
+
+    def gradients(self, tape, losses, objective, variables, scale_loss):
+        """Gradients of ``objective`` (already loss-scaled) for ``variables``; one backward pass.
+
+        Returns ``None`` for variables the objective does not reach; the step turns those into
+        zeros and names them in one warning.
+        """
+        del losses, scale_loss
+        return tape.gradient(
+            objective, variables, unconnected_gradients=tf.UnconnectedGradients.NONE
+        )
+
+    def update(self, losses):
+        """Advance the method's state after an applied step (default: nothing)."""
+
+    def get_config(self):
+        return {}
+
+    @classmethod
+    def from_config(cls, config):
+        return cls(**config)
+
+
+@keras.saving.register_keras_serializable(package=_PACKAGE)
+class Static(LossWeighting):
+    """Fixed weights, equal to ``compile(loss_weights=...)`` (Keras' behaviour).
+
+    Unlike Keras, the weights live in a variable (``weights``), so assigning new values during
+    ``fit`` changes the next step's objective without retracing.
+    """
+
+    name = "static"
+
+    def initial_weights(self, static_weights):
+        return list(static_weights)
+
+
+@keras.saving.register_keras_serializable(package=_PACKAGE)
+class EqualWeighting(LossWeighting):
+    """Equal weights: every task's loss counts with weight 1 (LibMTL ``ew``)."""
+
+    name = "ew"
