@@ -45,6 +45,28 @@ def _check_optimizer_clipping(optimizer, gradient_clipping):
         )
 
 
+_FUNCTIONAL_VARIANTS = {}
+
+
+def _functional_variant(cls):
+    """``cls`` with Keras' ``Functional`` mixed in, created once per class.
+
+    ``keras.Model`` supports functional construction of a subclass by rewriting the subclass'
+    ``__bases__`` in place (``inject_functional_model_class``), which would break every later
+    subclassed (non-functional) use of ``OptimizedModel`` in the same process. Building a
+    separate class leaves ``OptimizedModel`` untouched. The variant is registered under the same
+    name as ``cls`` so saved models load back as ``cls``.
+    """
+    if cls not in _FUNCTIONAL_VARIANTS:
+        variant = type(cls.__name__, (cls, internals.Functional), {"__module__": cls.__module__})
+        registered = keras.saving.get_registered_name(cls)
+        if ">" in registered:
+            package, name = registered.split(">", 1)
+            keras.saving.register_keras_serializable(package=package, name=name)(variant)
+        _FUNCTIONAL_VARIANTS[cls] = variant
+    return _FUNCTIONAL_VARIANTS[cls]
+
+
 @keras.saving.register_keras_serializable(package="keras_fastloop")
 class OptimizedModel(keras.Model):
     """A ``keras.Model`` whose ``train_step``/``test_step`` carry an expert's training loop.
@@ -66,6 +88,20 @@ class OptimizedModel(keras.Model):
         >>> model = OptimizedModel(inputs, outputs)
         >>> model.compile("adam", "sparse_categorical_crossentropy", gradient_clipping=1.0)
     """
+
+    def __new__(cls, *args, **kwargs):
+        if internals.functional_init_arguments(args, kwargs) and not issubclass(
+            cls, internals.Functional
+        ):
+            cls = _functional_variant(cls)
+        return super().__new__(cls, *args, **kwargs)
+
+    def __init__(self, *args, **kwargs):
+        if isinstance(self, internals.Functional):
+            internals.Trainer.__init__(self)
+            internals.Functional.__init__(self, *args, **kwargs)
+        else:
+            super().__init__(*args, **kwargs)
 
     def compile(
         self,
