@@ -262,6 +262,8 @@ class OptimizedModel(keras.Model):
             )
             scaled = self.optimizer.scale_loss(total)
         grads = weighting.gradients(tape, losses, scaled, variables, self.optimizer.scale_loss)
+        if weighting.requires_task_gradients:  # weights decided from this step's gradients
+            weights = ops.convert_to_tensor(weighting.weights)
         grads = self._zeros_for_unconnected(grads, variables)
         return grads, y_pred, losses, total, weights
 
@@ -278,6 +280,10 @@ class OptimizedModel(keras.Model):
 
     def train_step(self, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        if not all(layer.built for layer in self._flatten_layers()):
+            # A subclassed model creates its variables in its first call; that happens in the
+            # first (variable-creating) trace only, which tf.function then traces again.
+            self(x, training=False)
         variables = self.trainable_variables
         if self._micro_batch_size:
             grads, logs = micro_batching_module.accumulate(
@@ -303,6 +309,8 @@ class OptimizedModel(keras.Model):
     def _apply(self, grads, variables, finite, scale):
         """Apply the update, or skip it entirely (weights, slots, ``iterations``) if not finite."""
         optimizer = self.optimizer
+        if not optimizer.built:  # subclassed models are built by their first call, in the trace
+            optimizer.build(variables)
         with distributed.gradients_already_reduced(optimizer):
             if scaling.is_loss_scale_optimizer(optimizer):
                 # Keras' LossScaleOptimizer skips non-finite updates and halves its scale itself.

@@ -1,0 +1,115 @@
+"""Clippers against NumPy references (AGC unit-wise, AutoClip percentile history)."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_fastloop as kf
+from keras_fastloop import clipping
+
+
+def norm(grads):
+    return tf.linalg.global_norm(grads)
+
+
+def test_agc_matches_numpy_unitwise_rule():
+    rng = np.random.default_rng(0)
+    w = rng.normal(size=(5, 3)).astype("float32")
+    b = np.array([0.0, 0.0, 0.5], "float32")
+    gw = rng.normal(size=(5, 3)).astype("float32") * np.array([0.001, 1.0, 10.0], "float32")
+    gb = np.array([1e-6, 1.0, 0.001], "float32")
+    agc = clipping.AdaptiveGradientClipping(clip_factor=0.05, eps=1e-3)
+    out = agc([tf.constant(gw), tf.constant(gb)], [tf.constant(w), tf.constant(b)], None)
+
+    def reference(g, p, axis):
+        p_norm = np.maximum(np.sqrt(np.sum(p**2, axis=axis, keepdims=axis is not None)), 1e-3)
+        g_norm = np.sqrt(np.sum(g**2, axis=axis, keepdims=axis is not None))
+        max_norm = 0.05 * p_norm
+        return np.where(g_norm > max_norm, g * max_norm / g_norm, g)
+
+    np.testing.assert_allclose(out[0].numpy(), reference(gw, w, 0), rtol=1e-5)
+    np.testing.assert_allclose(out[1].numpy(), reference(gb, b, None), rtol=1e-5)
+    # Column 0 is under its threshold and left alone; column 2 is clipped to 0.05 * |w_2|.
+    np.testing.assert_array_equal(out[0].numpy()[:, 0], gw[:, 0])
+    assert np.linalg.norm(out[0].numpy()[:, 2]) == pytest.approx(0.05 * np.linalg.norm(w[:, 2]), rel=1e-5)
+
+
+def test_autoclip_threshold_is_numpy_percentile_of_history():
+    owner = keras.layers.Layer()
+    clip = clipping.AutoClip(percentile=30.0, history_size=4)
+    clip.build(owner)
+    norms = [5.0, 1.0, 3.0, np.inf, 2.0, 10.0, 4.0]
+    history = []
+    for n in norms:
+        threshold = float(clip.threshold(tf.constant(n, "float32")))
+        if np.isfinite(n):
+            history.append(n)
+        expected = np.percentile(history[-4:], 30.0)
+        assert threshold == pytest.approx(expected, rel=1e-6), (n, history)
+    assert int(clip.count.numpy()) == 6
+
+
+def test_autoclip_clips_global_norm_at_threshold():
+    owner = keras.layers.Layer()
+    clip = clipping.AutoClip(percentile=50.0)
+    clip.build(owner)
+    g1 = [tf.constant([3.0, 0.0]), tf.constant([0.0, 4.0])]
+    out = clip(g1, [None, None], norm(g1))  # history [5] -> threshold 5: unchanged
+    np.testing.assert_allclose(norm(out), 5.0, rtol=1e-6)
+    g2 = [tf.constant([30.0, 0.0]), tf.constant([0.0, 40.0])]
+    out = clip(g2, [None, None], norm(g2))  # history [5, 50] -> median 27.5
+    np.testing.assert_allclose(norm(out), 27.5, rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: clipping.ClipByGlobalNorm(0.0), "clipnorm"),
+        (lambda: clipping.ClipByNorm(-1), "clipnorm"),
+        (lambda: clipping.ClipByValue(True), "clipvalue"),
+        (lambda: clipping.AdaptiveGradientClipping(clip_factor=0), "clip_factor"),
+        (lambda: clipping.AdaptiveGradientClipping(eps=-1e-3), "eps"),
+        (lambda: clipping.AutoClip(percentile=0), "percentile"),
+        (lambda: clipping.AutoClip(percentile=101), "percentile"),
+        (lambda: clipping.AutoClip(history_size=0), "history_size"),
+    ],
+)
+def test_bad_arguments(make, match):
+    with pytest.raises(ValueError, match=match) as info:
+        make()
+    assert "Received" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "clipper",
+    [
+        clipping.ClipByGlobalNorm(2.0),
+        clipping.ClipByNorm(1.5),
+        clipping.ClipByValue(0.3),
+        clipping.AdaptiveGradientClipping(0.02, 1e-4),
+        clipping.AutoClip(20.0, 100),
+    ],
+)
+def test_serialization_round_trip(clipper):
+    config = keras.saving.serialize_keras_object(clipper)
+    restored = keras.saving.deserialize_keras_object(config, safe_mode=True)
+    assert type(restored) is type(clipper) and restored.get_config() == clipper.get_config()
+    assert clipping.get(config).get_config() == clipper.get_config()
+
+
+def test_huge_threshold_equals_no_clipping():
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(64, 5)).astype("float32")
+    y = rng.normal(size=(64, 1)).astype("float32")
+    weights = []
+    for clip in (None, 1e9, clipping.ClipByNorm(1e9), clipping.AdaptiveGradientClipping(1e9)):
+        keras.utils.set_random_seed(0)
+        i = keras.Input((5,))
+        model = kf.OptimizedModel(i, keras.layers.Dense(1)(keras.layers.Dense(8, activation="tanh")(i)))
+        model.compile(keras.optimizers.Adam(1e-2), "mse", gradient_clipping=clip)
+        model.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False)
+        weights.append(model.get_weights())
+    for other in weights[1:]:
+        for a, b in zip(weights[0], other):
+            np.testing.assert_allclose(a, b, atol=1e-6)
