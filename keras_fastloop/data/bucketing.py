@@ -1,0 +1,607 @@
+"""Length bucketing for variable-length sequences, on top of tf.data's `bucket_by_sequence_length`.
+
+Boundary semantics (read this first). Here a bucket boundary is the *inclusive* maximum length of
+its bucket, and with `pad_to_bucket_boundary=True` every batch of the bucket is padded to exactly
+that boundary: with `bucket_boundaries=[16, 32]` lengths 0..16 are padded to 16 and lengths 17..32
+to 32. `tf.data.Dataset.bucket_by_sequence_length` itself uses *exclusive* upper bounds (bucket
+`[b_{i-1}, b_i)`), pads to `b_i - 1` and fails with an assertion in the middle of iteration when
+an element has length `>= max(bucket_boundaries)`. This module passes `b + 1` for every
+boundary `b` to tf.data, so the padded shapes are the boundaries the user wrote, and it makes sure
+(at build time) that no element reaches tf.data's last, open-ended bucket: sequences longer than
+the last boundary either get an extra bucket ending at the longest length found
+(`on_overflow="extend"`) or raise a `ValueError` when the dataset is built (`on_overflow="error"`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+import warnings
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import tensorflow as tf
+
+__all__ = [
+    "BucketPlan",
+    "apply_bucket_plan",
+    "bucket_by_length",
+    "plan_buckets",
+    "quantile_boundaries",
+    "token_budget_batch_sizes",
+]
+
+_DEFAULT_NUM_BUCKETS = 4
+_DEFAULT_NUM_BOUNDARY_SAMPLES = 100_000
+_SCAN_BATCH = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketPlan:
+    """The resolved bucketing of a dataset: boundaries, batch sizes and the longest length seen.
+
+    Attributes:
+        bucket_boundaries: tuple of ints. Inclusive maximum length of each bucket (tokens); with
+            `pad_to_bucket_boundary=True` also the padded length of the bucket's batches.
+        bucket_batch_sizes: tuple of ints, one per bucket: the number of sequences per batch.
+        max_length: int or None. Longest length found by the build-time scan (or the
+            user-given `max_length`); None if no scan was needed and none was given.
+        scanned_all: bool. True when the build-time scan read the whole dataset, so that no
+            sequence can exceed the last boundary at run time.
+        extended: bool. True when a bucket was appended because sequences were longer than the
+            largest given or chosen boundary.
+    """
+
+    bucket_boundaries: tuple
+    bucket_batch_sizes: tuple
+    max_length: int | None = None
+    scanned_all: bool = False
+    extended: bool = False
+
+    @property
+    def num_buckets(self):
+        """Number of buckets (and, with padding to boundaries, the bound on distinct shapes)."""
+        return len(self.bucket_boundaries)
+
+
+# --------------------------------------------------------------------------------------------
+# Argument checks (Keras style: what must hold, then `Received: name=value`).
+# --------------------------------------------------------------------------------------------
+
+
+def _is_int(value):
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _check_positive_int(name, value, allow_none=True):
+    if value is None and allow_none:
+        return
+    if not _is_int(value) or value <= 0:
+        raise ValueError(f"`{name}` must be a positive integer. Received: {name}={value!r}")
+
+
+def _check_boundaries(bucket_boundaries):
+    name = "bucket_boundaries"
+    if isinstance(bucket_boundaries, (str, bytes, Mapping)) or not isinstance(
+        bucket_boundaries, (Sequence, np.ndarray)
+    ):
+        raise ValueError(
+            f"`{name}` must be a non-empty list of positive integers. "
+            f"Received: {name}={bucket_boundaries!r}"
+        )
+    values = (
+        list(np.asarray(bucket_boundaries).tolist())
+        if isinstance(bucket_boundaries, np.ndarray)
+        else list(bucket_boundaries)
+    )
+    if not values:
+        raise ValueError(
+            f"`{name}` must be a non-empty list of positive integers. Received: {name}={values!r}"
+        )
+    if not all(_is_int(b) for b in values):
+        raise ValueError(f"`{name}` must contain only integers. Received: {name}={values!r}")
+    if any(b <= 0 for b in values):
+        raise ValueError(
+            f"`{name}` must contain only positive integers. Received: {name}={values!r}"
+        )
+    if any(b2 <= b1 for b1, b2 in zip(values, values[1:])):
+        raise ValueError(
+            f"`{name}` must be sorted in strictly increasing order (no duplicates). "
+            f"Received: {name}={values!r}"
+        )
+    return tuple(int(b) for b in values)
+
+
+def _check_batching(batch_size, tokens_per_batch):
+    if (batch_size is None) == (tokens_per_batch is None):
+        raise ValueError(
+            "Exactly one of `batch_size` and `tokens_per_batch` must be given. "
+            f"Received: batch_size={batch_size!r}, tokens_per_batch={tokens_per_batch!r}"
+        )
+    _check_positive_int("batch_size", batch_size)
+    _check_positive_int("tokens_per_batch", tokens_per_batch)
+
+
+def _check_on_overflow(on_overflow):
+    if on_overflow not in ("extend", "error"):
+        raise ValueError(
+            f'`on_overflow` must be "extend" or "error". Received: on_overflow={on_overflow!r}'
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Pure helpers.
+# --------------------------------------------------------------------------------------------
+
+
+def quantile_boundaries(lengths, num_buckets=_DEFAULT_NUM_BUCKETS):
+    """Chooses bucket boundaries at the quantiles of a sample of sequence lengths.
+
+    Boundary `i` (1-based) is the `i / num_buckets` quantile of `lengths`, rounded up to an
+    integer: the smallest length `l` with at least that share of `lengths` `<= l` (NumPy's `method="inverted_cdf"`, so every boundary is a length that occurs); duplicates
+    are merged, so fewer than `num_buckets` boundaries come back when many lengths are equal.
+    The last boundary is always `max(lengths)`.
+
+    Args:
+        lengths: 1-D array-like of non-negative ints. Sequence lengths in tokens.
+        num_buckets: positive int, default 4. Number of buckets wanted.
+
+    Returns:
+        Tuple of strictly increasing positive ints (inclusive bucket maxima).
+
+    Raises:
+        ValueError: if `lengths` is empty or negative, or `num_buckets` is not a positive int.
+
+    Example:
+
+    >>> quantile_boundaries(np.arange(1, 201), num_buckets=4)
+    (50, 100, 150, 200)
+    """
+    _check_positive_int("num_buckets", num_buckets, allow_none=False)
+    lengths = np.asarray(lengths).reshape(-1)
+    if lengths.size == 0:
+        raise ValueError(
+            "`lengths` must hold at least one sequence length. Received: lengths of size 0"
+        )
+    if np.any(lengths < 0):
+        raise ValueError(
+            f"`lengths` must be non-negative. Received: min(lengths)={int(lengths.min())}"
+        )
+    qs = np.arange(1, num_buckets + 1) / num_buckets
+    bounds = np.quantile(lengths, qs, method="inverted_cdf")
+    bounds = np.unique(np.maximum(np.ceil(bounds).astype(np.int64), 1))
+    return tuple(int(b) for b in bounds)
+
+
+def token_budget_batch_sizes(bucket_boundaries, tokens_per_batch):
+    """Batch size per bucket so that a padded batch holds at most `tokens_per_batch` tokens.
+
+    `batch_size_i = max(1, tokens_per_batch // bucket_boundaries[i])`: long buckets get small
+    batches, short buckets big ones. A bucket whose boundary exceeds the budget gets batch size
+    1 (and then exceeds the budget; a warning says so).
+
+    Args:
+        bucket_boundaries: list of strictly increasing positive ints. Inclusive bucket maxima.
+        tokens_per_batch: positive int. Token budget per padded batch (batch * padded length).
+
+    Returns:
+        Tuple of positive ints, one per boundary.
+
+    Raises:
+        ValueError: on invalid boundaries or a non-positive budget.
+
+    Example:
+
+    >>> token_budget_batch_sizes([16, 32, 64], tokens_per_batch=128)
+    (8, 4, 2)
+    """
+    bounds = _check_boundaries(bucket_boundaries)
+    _check_positive_int("tokens_per_batch", tokens_per_batch, allow_none=False)
+    sizes = tuple(max(1, tokens_per_batch // b) for b in bounds)
+    over = [b for b in bounds if b > tokens_per_batch]
+    if over:
+        warnings.warn(
+            f"Buckets with boundaries {over} are longer than tokens_per_batch={tokens_per_batch}; "
+            "they get batch size 1 and exceed the token budget.",
+            stacklevel=2,
+        )
+    return sizes
+
+
+# --------------------------------------------------------------------------------------------
+# Element structure.
+# --------------------------------------------------------------------------------------------
+
+
+def _features_of(element):
+    """`x` of an element: the element itself, or the first entry of an (x, y[, w]) tuple."""
+    if isinstance(element, tuple) and 1 <= len(element) <= 3:
+        return element[0]
+    return element
+
+
+def _sequence_index(element_spec):
+    """Index (in `tf.nest.flatten` order of `x`) of the leaf whose first axis is the length."""
+    x_spec = _features_of(element_spec)
+    leaves = tf.nest.flatten(x_spec)
+    ranked = [
+        i
+        for i, s in enumerate(leaves)
+        if hasattr(s, "shape") and s.shape.rank is not None and s.shape.rank >= 1
+    ]
+    variable = [i for i in ranked if leaves[i].shape[0] is None]
+    if variable:
+        return variable[0]
+    if ranked:
+        return ranked[0]
+    raise ValueError(
+        "The dataset's elements must contain a sequence (a tensor of rank >= 1 whose first "
+        "axis is the length), either as the element itself, as `x` of an (x, y) or "
+        "(x, y, sample_weight) tuple, or as a value of a dict. "
+        f"Received: element_spec={element_spec}"
+    )
+
+
+def _default_length_fn(element_spec):
+    index = _sequence_index(element_spec)
+
+    def length_fn(element):
+        return tf.shape(tf.nest.flatten(_features_of(element))[index])[0]
+
+    return length_fn
+
+
+def _pack_args(args):
+    # tf.data unpacks tuple elements into positional arguments.
+    return args[0] if len(args) == 1 else tuple(args)
+
+
+def _densify_ragged(dataset):
+    """Turns ragged leaves (e.g. from `from_tensor_slices(ragged)`) into dense tensors."""
+    specs = tf.nest.flatten(dataset.element_spec)
+    if not any(isinstance(s, tf.RaggedTensorSpec) for s in specs):
+        return dataset
+
+    def to_dense(*args):
+        element = _pack_args(args)
+        return tf.nest.map_structure(
+            lambda t: t.to_tensor() if isinstance(t, tf.RaggedTensor) else t, element
+        )
+
+    return dataset.map(to_dense, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+
+
+def _scan_lengths(dataset, length_fn, limit):
+    """Reads the lengths of the first `limit` elements. Returns (lengths, read_whole_dataset)."""
+
+    def length_of(*args):
+        return tf.cast(length_fn(_pack_args(args)), tf.int64)
+
+    lengths_ds = (
+        dataset.take(limit + 1)
+        .map(length_of, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+        .batch(_SCAN_BATCH)
+    )
+    chunks = [np.asarray(chunk).reshape(-1) for chunk in lengths_ds.as_numpy_iterator()]
+    lengths = np.concatenate(chunks) if chunks else np.zeros([0], np.int64)
+    complete = lengths.size <= limit
+    return lengths[:limit], complete
+
+
+# --------------------------------------------------------------------------------------------
+# Public API.
+# --------------------------------------------------------------------------------------------
+
+
+def plan_buckets(
+    dataset,
+    bucket_boundaries=None,
+    batch_size=None,
+    tokens_per_batch=None,
+    length_fn=None,
+    num_buckets=None,
+    num_boundary_samples=_DEFAULT_NUM_BOUNDARY_SAMPLES,
+    max_length=None,
+    on_overflow="extend",
+):
+    """Resolves bucket boundaries and per-bucket batch sizes for a dataset, without batching.
+
+    Same arguments as `bucket_by_length` (see there). The lengths of up to
+    `num_boundary_samples` leading elements are read when boundaries must be chosen or when
+    `max_length` is not given (to check the longest sequence against the last boundary).
+
+    Returns:
+        A `BucketPlan`.
+
+    Raises:
+        ValueError: on invalid arguments, on an empty dataset, or (with `on_overflow="error"`)
+            when a sequence is longer than the largest boundary.
+
+    Example:
+
+    >>> ds = tf.data.Dataset.range(1, 101).map(lambda n: tf.ones([n], tf.int32))
+    >>> plan_buckets(ds, batch_size=8, num_buckets=2).bucket_boundaries
+    (50, 100)
+    """
+    if not isinstance(dataset, tf.data.Dataset):
+        raise ValueError(
+            f"`dataset` must be a `tf.data.Dataset`. Received: dataset={type(dataset).__name__}"
+        )
+    _check_batching(batch_size, tokens_per_batch)
+    _check_on_overflow(on_overflow)
+    _check_positive_int("num_boundary_samples", num_boundary_samples, allow_none=False)
+    _check_positive_int("max_length", max_length)
+    if length_fn is not None and not callable(length_fn):
+        raise ValueError(f"`length_fn` must be callable or None. Received: length_fn={length_fn!r}")
+    if bucket_boundaries is not None:
+        bounds = _check_boundaries(bucket_boundaries)
+        if num_buckets is not None:
+            raise ValueError(
+                "`num_buckets` is only used to choose boundaries automatically; pass either "
+                "`bucket_boundaries` or `num_buckets`, not both. "
+                f"Received: bucket_boundaries={list(bounds)}, num_buckets={num_buckets!r}"
+            )
+    else:
+        bounds = None
+        _check_positive_int("num_buckets", num_buckets)
+    if tf.data.experimental.INFINITE_CARDINALITY == int(dataset.cardinality()) and (
+        max_length is None
+    ):
+        warnings.warn(
+            "The dataset is infinite and `max_length` was not given: the longest sequence is "
+            f"estimated from the first {num_boundary_samples} elements; a longer one raises an "
+            "InvalidArgumentError at run time. Pass `max_length` to make the bound explicit.",
+            stacklevel=3,
+        )
+
+    dataset = _densify_ragged(dataset)
+    length_fn = length_fn or _default_length_fn(dataset.element_spec)
+
+    need_scan = bounds is None or max_length is None
+    scanned_all = False
+    if need_scan:
+        lengths, scanned_all = _scan_lengths(dataset, length_fn, num_boundary_samples)
+        if lengths.size == 0:
+            raise ValueError("`dataset` must not be empty. Received: a dataset with 0 elements")
+        if np.any(lengths < 0):
+            raise ValueError(
+                f"`length_fn` must return non-negative lengths. Received: a length of "
+                f"{int(lengths.min())}"
+            )
+        longest = int(lengths.max())
+        if max_length is not None:
+            if longest > max_length:
+                raise ValueError(
+                    f"A sequence of length {longest} is longer than `max_length`. "
+                    f"Received: max_length={max_length}"
+                )
+            longest = max_length
+        if bounds is None:
+            bounds = quantile_boundaries(lengths, num_buckets or _DEFAULT_NUM_BUCKETS)
+    else:
+        longest = max_length
+
+    extended = False
+    if longest is not None and longest > bounds[-1]:
+        if on_overflow == "error":
+            raise ValueError(
+                "Every sequence must fit in the last bucket: the largest value of "
+                f"`bucket_boundaries` must be >= the longest sequence ({longest} tokens). "
+                'Add a larger boundary or pass on_overflow="extend". '
+                f"Received: bucket_boundaries={list(bounds)}"
+            )
+        bounds = bounds + (int(longest),)
+        extended = True
+
+    if tokens_per_batch is not None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            sizes = token_budget_batch_sizes(bounds, tokens_per_batch)
+        over = [b for b in bounds if b > tokens_per_batch]
+        if over:
+            warnings.warn(
+                f"Buckets with boundaries {over} are longer than "
+                f"tokens_per_batch={tokens_per_batch}; they get batch size 1 and exceed the "
+                "token budget.",
+                stacklevel=3,
+            )
+    else:
+        sizes = tuple(batch_size for _ in bounds)
+    return BucketPlan(
+        bucket_boundaries=tuple(bounds),
+        bucket_batch_sizes=tuple(sizes),
+        max_length=None if longest is None else int(longest),
+        scanned_all=bool(scanned_all),
+        extended=extended,
+    )
+
+
+def bucket_by_length(
+    dataset,
+    bucket_boundaries=None,
+    batch_size=None,
+    tokens_per_batch=None,
+    length_fn=None,
+    pad_to_bucket_boundary=True,
+    padding_values=None,
+    drop_remainder=False,
+    shuffle_buffer=None,
+    seed=None,
+    num_buckets=None,
+    num_boundary_samples=_DEFAULT_NUM_BOUNDARY_SAMPLES,
+    max_length=None,
+    on_overflow="extend",
+    prefetch=True,
+):
+    """Groups sequences of similar length into padded batches (`bucket_by_sequence_length`).
+
+    A sequence of length `L` goes to the first bucket whose boundary is `>= L` (boundaries are
+    *inclusive* maxima; see the module docstring for how this maps onto tf.data's exclusive
+    ones). With `pad_to_bucket_boundary=True` every batch is padded to its bucket's boundary, so
+    the number of distinct batch shapes is at most the number of buckets (plus smaller last
+    batches per bucket unless `drop_remainder=True`): a `jit_compile=True` step compiles at most
+    that many times. Nothing is truncated.
+
+    Pipeline: `[shuffle] -> bucket_by_sequence_length -> [prefetch(AUTOTUNE)]`.
+
+    Args:
+        dataset: `tf.data.Dataset` of unbatched elements: a sequence tensor, an `(x, y)` or
+            `(x, y, sample_weight)` tuple, or a dict; the sequence's first axis is its length.
+        bucket_boundaries: list of strictly increasing positive ints, or None (default): chosen
+            at the quantiles of the lengths of the first `num_boundary_samples` elements (see
+            `quantile_boundaries`).
+        batch_size: positive int or None (default). Sequences per batch, the same in every
+            bucket. Exactly one of `batch_size` and `tokens_per_batch` must be given.
+        tokens_per_batch: positive int or None (default). Token budget per padded batch; bucket
+            `i` gets `max(1, tokens_per_batch // bucket_boundaries[i])` sequences.
+        length_fn: callable or None (default). Maps one element (the whole element, tuple or
+            dict) to its length as a scalar int tensor. Default: the first-axis length of the
+            first tensor in `x` (in `tf.nest.flatten` order) whose first axis is variable.
+        pad_to_bucket_boundary: bool, default True. Pad every variable axis to the bucket
+            boundary (bounded number of shapes); if False, pad to the longest in each batch.
+        padding_values: scalar, nested structure matching the elements, or None (default:
+            0 of each dtype). A scalar is cast to every component's dtype.
+        drop_remainder: bool, default False. Drop the last, smaller batch of each bucket.
+            Note that True drops sequences (and their tokens).
+        shuffle_buffer: positive int or None (default). Shuffle the unbatched elements with this
+            buffer before bucketing (reshuffled every epoch).
+        seed: int or None (default). Shuffle seed; the same seed gives the same order.
+        num_buckets: positive int or None (default: 4 when boundaries are chosen automatically).
+            Only valid without `bucket_boundaries`.
+        num_boundary_samples: positive int, default 100000. How many leading elements are read
+            at build time to choose boundaries and find the longest sequence. When the dataset
+            has at most this many elements, overflow is ruled out at build time.
+        max_length: positive int or None (default). Known maximum length; with
+            `bucket_boundaries` given, it skips the build-time scan.
+        on_overflow: `"extend"` (default) or `"error"`. What to do at build time when the
+            longest sequence exceeds the largest boundary: append a bucket ending at that length,
+            or raise `ValueError`. A longer sequence that the scan could not see (infinite or
+            larger-than-`num_boundary_samples` datasets) fails at run time with an
+            `InvalidArgumentError` naming the length and the boundary.
+        prefetch: bool, default True. Append `prefetch(tf.data.AUTOTUNE)`.
+
+    Returns:
+        A `tf.data.Dataset` of padded batches with the same structure as the elements; every
+        component gains a leading batch axis and its variable axes are padded.
+
+    Raises:
+        ValueError: on invalid arguments (unsorted, empty or non-positive boundaries; both or
+            neither of `batch_size`/`tokens_per_batch`; ...), on an empty dataset, or with
+            `on_overflow="error"` when a sequence is longer than the largest boundary.
+
+    Example:
+
+    >>> ds = tf.data.Dataset.range(1, 41).map(lambda n: tf.ones([n], tf.int32))
+    >>> batches = bucket_by_length(ds, bucket_boundaries=[16, 32], batch_size=8)
+    >>> sorted({b.shape[1] for b in batches})   # 33..40 went to an extra bucket ending at 40
+    [16, 32, 40]
+    """
+    if not isinstance(pad_to_bucket_boundary, bool):
+        raise ValueError(
+            "`pad_to_bucket_boundary` must be a bool. "
+            f"Received: pad_to_bucket_boundary={pad_to_bucket_boundary!r}"
+        )
+    if not isinstance(drop_remainder, bool):
+        raise ValueError(
+            f"`drop_remainder` must be a bool. Received: drop_remainder={drop_remainder!r}"
+        )
+    if not isinstance(prefetch, bool):
+        raise ValueError(f"`prefetch` must be a bool. Received: prefetch={prefetch!r}")
+    _check_positive_int("shuffle_buffer", shuffle_buffer)
+    if seed is not None and not _is_int(seed):
+        raise ValueError(f"`seed` must be an integer or None. Received: seed={seed!r}")
+
+    plan = plan_buckets(
+        dataset,
+        bucket_boundaries=bucket_boundaries,
+        batch_size=batch_size,
+        tokens_per_batch=tokens_per_batch,
+        length_fn=length_fn,
+        num_buckets=num_buckets,
+        num_boundary_samples=num_boundary_samples,
+        max_length=max_length,
+        on_overflow=on_overflow,
+    )
+    return apply_bucket_plan(
+        dataset,
+        plan,
+        length_fn=length_fn,
+        pad_to_bucket_boundary=pad_to_bucket_boundary,
+        padding_values=padding_values,
+        drop_remainder=drop_remainder,
+        shuffle_buffer=shuffle_buffer,
+        seed=seed,
+        prefetch=prefetch,
+    )
+
+
+def apply_bucket_plan(
+    dataset,
+    plan,
+    length_fn=None,
+    pad_to_bucket_boundary=True,
+    padding_values=None,
+    drop_remainder=False,
+    shuffle_buffer=None,
+    seed=None,
+    prefetch=True,
+):
+    """Batches a dataset according to a `BucketPlan` (the second half of `bucket_by_length`).
+
+    Args: as in `bucket_by_length`; `plan` is a `BucketPlan` from `plan_buckets`.
+
+    Returns:
+        A `tf.data.Dataset` of padded batches.
+
+    Raises:
+        ValueError: if `plan` is not a `BucketPlan`.
+
+    Example:
+
+    >>> plan = plan_buckets(ds, bucket_boundaries=[16, 32], batch_size=8)
+    >>> batches = apply_bucket_plan(ds, plan)
+    """
+    if not isinstance(plan, BucketPlan):
+        raise ValueError(f"`plan` must be a `BucketPlan`. Received: plan={plan!r}")
+    _check_positive_int("shuffle_buffer", shuffle_buffer)
+    dataset = _densify_ragged(dataset)
+    length_fn = length_fn or _default_length_fn(dataset.element_spec)
+    bounds = plan.bucket_boundaries
+    last = int(bounds[-1])
+
+    def guarded_length(*args):
+        length = tf.cast(length_fn(_pack_args(args)), tf.int32)
+        check = tf.debugging.assert_less_equal(
+            length,
+            tf.constant(last, tf.int32),
+            message=(
+                f"bucket_by_length: a sequence is longer than the largest bucket boundary "
+                f"({last}); it was not among the elements scanned when the dataset was built. "
+                "Pass `max_length` or a larger last value in `bucket_boundaries`."
+            ),
+        )
+        with tf.control_dependencies([check]):
+            return tf.identity(length)
+
+    if padding_values is not None and not tf.nest.is_nested(padding_values):
+        value = padding_values
+        padding_values = tf.nest.map_structure(
+            lambda spec: tf.constant(value, dtype=spec.dtype), dataset.element_spec
+        )
+
+    if shuffle_buffer is not None:
+        dataset = dataset.shuffle(shuffle_buffer, seed=seed, reshuffle_each_iteration=True)
+    # tf.data buckets are [b_{i-1}, b_i) and pad to b_i - 1: shift by one to get inclusive maxima.
+    # Its last, open-ended bucket is never reached (the plan covers the longest sequence, and the
+    # guard above names the problem if the data changed); it gets batch size 1.
+    dataset = dataset.bucket_by_sequence_length(
+        element_length_func=guarded_length,
+        bucket_boundaries=[b + 1 for b in bounds],
+        bucket_batch_sizes=list(plan.bucket_batch_sizes) + [1],
+        padding_values=padding_values,
+        pad_to_bucket_boundary=pad_to_bucket_boundary,
+        drop_remainder=drop_remainder,
+    )
+    if prefetch:
+        dataset = dataset.prefetch(tf.data.AUTOTUNE)
+    return dataset
