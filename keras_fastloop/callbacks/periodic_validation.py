@@ -1,0 +1,363 @@
+"""Validation every N optimizer updates (or every N epochs) inside `fit`.
+
+Two Keras behaviours shape this callback:
+
+- `Model.evaluate()` starts by resetting every metric of the model, the training loss
+  tracker included (keras#16526). Called in the middle of an epoch it would replace the
+  running training metrics, so the progress bar, the epoch's `loss` and `History` would
+  report validation numbers. `PeriodicValidation` copies the values of
+  `model.metrics_variables` before evaluating and assigns them back afterwards, so
+  training metrics continue exactly as if no validation had run.
+- Stock monitoring callbacks (`EarlyStopping`, `ModelCheckpoint`, `ReduceLROnPlateau`,
+  `CSVLogger`, ...) act only in `on_epoch_end`. Rather than re-implementing them as
+  step-aware subclasses, `PeriodicValidation` takes them in its own `callbacks=`
+  argument and calls their `on_epoch_end` once per validation ("validation round"), with
+  the current training logs plus the `val_*` results. Unchanged stock callbacks thus act
+  on step-gated results, with all their options.
+"""
+
+import copy
+import numbers
+
+import keras
+
+__all__ = ["PeriodicValidation"]
+
+# Plain attributes of stock monitoring callbacks (EarlyStopping, ReduceLROnPlateau,
+# ModelCheckpoint) that together are their resumable state.
+_MONITOR_STATE_ATTRIBUTES = ("best", "wait", "cooldown_counter", "best_epoch", "stopped_epoch")
+
+
+def _is_positive_int(value):
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value > 0
+
+
+def _to_python(value):
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return keras.ops.convert_to_numpy(value).item()
+
+
+class PeriodicValidation(keras.callbacks.Callback):
+    """Evaluates `validation_data` every N optimizer updates or every N epochs.
+
+    **What "step" means.** A step is an optimizer update, read from
+    `model.optimizer.iterations`. Under the optimizer's own gradient accumulation
+    (`gradient_accumulation_steps=k`) Keras advances that counter only on real updates
+    (it is the micro-batch counter floor-divided by `k`), so "every 10 steps" means every
+    10 updates, i.e. every `10 * k` batches. Weights change only at updates, so every
+    validation sees exactly the weights after the recorded step, never a half-accumulated
+    state.
+
+    **When it runs.** Keras calls batch callbacks once per execution: with
+    `steps_per_execution=s`, every `s` batches. The callback checks the step counter at
+    each of these boundaries and validates at the first boundary at or after each
+    multiple of `every_n_steps` (at most once per boundary, even if the execution
+    crossed several multiples). When `every_n_steps` is a multiple of the updates per
+    execution, validations happen exactly at the multiples. Example: `every_n_steps=10`
+    and `steps_per_execution=4` validate after steps 12, 20, 32, 40, 52, 60, ... Each
+    result is recorded with the step it actually saw. With `every_n_epochs=n` it runs at
+    the end of epochs `n, 2n, ...` (1-based).
+
+    **Where the results go.**
+    - `self.history`: one dict per validation, `{"step": int, "epoch": int (0-based),
+      "val_<metric>": float, ...}`.
+    - The batch logs of the batch after which it validated (seen by callbacks listed
+      after this one in `fit(callbacks=...)`, e.g. the progress bar), and the epoch logs
+      of every epoch in which at least one validation ran (the latest result). Epochs
+      without a validation get no `val_*` keys, as with Keras' `validation_freq`.
+      `History` (which `fit` appends last) therefore records `val_*` per epoch.
+    - Callbacks passed in `callbacks=`: their `on_epoch_end(round, logs)` is called
+      after every validation, where `round` is the 0-based index of the validation and
+      `logs` holds the training logs of that moment plus the `val_*` results. This is how
+      stock `EarlyStopping` / `ModelCheckpoint` / `ReduceLROnPlateau` act mid-epoch: every
+      count they keep (`patience`, `start_from_epoch`, `cooldown`, the `{epoch}` of a
+      checkpoint file name, the "Epoch N" of their messages) counts validation rounds.
+      Their `on_train_begin` / `on_train_end` are forwarded too (e.g. for
+      `restore_best_weights`). Do not also pass them to `fit`, or they act twice. A
+      callback passed directly to `fit` instead acts at epoch ends on the latest result.
+
+    **Training metrics are not disturbed.** `model.evaluate()` resets all metrics
+    (keras#16526); the values of `model.metrics_variables` are saved before and restored
+    after each evaluation, so training logs and `History` are identical with and without
+    mid-epoch validation. Evaluation uses only public `keras.Model` API (`evaluate`,
+    `metrics_variables`, `optimizer.iterations`), so it works for subclasses such as
+    `keras_fastloop.OptimizedModel`.
+
+    **Resuming.** `get_state()` returns a JSON-compatible dict (last validated step,
+    the history, and `best`/`wait`/... of the driven callbacks); `set_state()` on a new
+    instance before `fit` resumes from it.
+
+    Args:
+        validation_data: What `model.evaluate` accepts: a `tf.data.Dataset`, a
+            `keras.utils.PyDataset`, or a tuple `(x, y)` / `(x, y, sample_weight)` of
+            arrays. Must be finite or used with `validation_steps`. Note: in Keras 3.15
+            `evaluate()` counts one extra, empty step on a `tf.data.Dataset` of unknown
+            cardinality (after `filter`, `from_generator`, ...), which biases the mean;
+            give such a dataset a known cardinality
+            (`dataset.apply(tf.data.experimental.assert_cardinality(n))`) or set
+            `validation_steps`.
+        every_n_steps: Integer > 0 or `None`. Validate every this many optimizer
+            updates. Defaults to `None`.
+        every_n_epochs: Integer > 0 or `None`. Validate at the end of every this many
+            epochs. Defaults to `None`. Exactly one of the two frequencies must be set.
+        validation_steps: Integer > 0 or `None`. Number of validation batches per
+            evaluation (the `steps` argument of `evaluate`). Defaults to `None` (the
+            whole `validation_data`).
+        batch_size: Integer > 0 or `None`. Batch size for array `validation_data`.
+            Defaults to `None` (`evaluate`'s default, 32).
+        callbacks: List of `keras.callbacks.Callback` or `None`. Callbacks whose
+            `on_epoch_end` runs after every validation (see above). Defaults to `None`.
+        validate_at_end: Boolean. Also validate the final weights when training ends
+            (after the last epoch, or when a callback stops training) if the last step
+            was not validated already. Defaults to `False`, so "every N steps" means
+            exactly the multiples of N.
+        verbose: `0` or `1`. `1` prints one line per validation. Defaults to `0`.
+
+    Attributes:
+        history: List of dicts, one per validation (see above).
+        last_validated_step: Integer. Step of the latest validation; before the first
+            one, the step at which training started (intervals count from there).
+
+    Raises:
+        ValueError: At construction, if not exactly one frequency is given, if a
+            frequency, `validation_steps` or `batch_size` is not a positive integer,
+            if `validation_data` is missing, or if `callbacks` holds a non-callback.
+
+    Example:
+
+    ```python
+    early_stopping = keras.callbacks.EarlyStopping(monitor="val_loss", patience=3)
+    checkpoint = keras.callbacks.ModelCheckpoint(
+        "best.keras", monitor="val_loss", save_best_only=True)
+    validation = PeriodicValidation(
+        val_ds, every_n_steps=500, callbacks=[early_stopping, checkpoint])
+    model.fit(train_ds, epochs=10, callbacks=[validation])
+    validation.history  # [{"step": 500, "epoch": 0, "val_loss": ...}, ...]
+    ```
+    """
+
+    def __init__(
+        self,
+        validation_data,
+        every_n_steps=None,
+        every_n_epochs=None,
+        validation_steps=None,
+        batch_size=None,
+        callbacks=None,
+        validate_at_end=False,
+        verbose=0,
+    ):
+        super().__init__()
+        if validation_data is None:
+            raise ValueError(
+                "`validation_data` must be a dataset or a tuple (x, y[, sample_weight]). "
+                "Received: validation_data=None"
+            )
+        if (every_n_steps is None) == (every_n_epochs is None):
+            raise ValueError(
+                "Exactly one of `every_n_steps` and `every_n_epochs` must be set. "
+                f"Received: every_n_steps={every_n_steps}, every_n_epochs={every_n_epochs}"
+            )
+        for name, value in (
+            ("every_n_steps", every_n_steps),
+            ("every_n_epochs", every_n_epochs),
+            ("validation_steps", validation_steps),
+            ("batch_size", batch_size),
+        ):
+            if value is not None and not _is_positive_int(value):
+                raise ValueError(
+                    f"`{name}` must be None or an integer > 0. Received: {name}={value!r}"
+                )
+        if not isinstance(validate_at_end, bool):
+            raise ValueError(
+                f"`validate_at_end` must be a bool. Received: validate_at_end={validate_at_end!r}"
+            )
+        if verbose not in (0, 1):
+            raise ValueError(f"`verbose` must be 0 or 1. Received: verbose={verbose!r}")
+        callbacks = list(callbacks or [])
+        for callback in callbacks:
+            if not isinstance(callback, keras.callbacks.Callback) or callback is self:
+                raise ValueError(
+                    "`callbacks` must be a list of other `keras.callbacks.Callback` "
+                    f"instances. Received: callbacks={callbacks!r}"
+                )
+        if isinstance(validation_data, (tuple, list)):
+            if not 1 <= len(validation_data) <= 3:
+                raise ValueError(
+                    "A tuple `validation_data` must be (x,), (x, y) or (x, y, sample_weight). "
+                    f"Received: validation_data of length {len(validation_data)}"
+                )
+            self._x, self._y, self._sample_weight = keras.utils.unpack_x_y_sample_weight(
+                tuple(validation_data)
+            )
+        else:
+            self._x, self._y, self._sample_weight = validation_data, None, None
+
+        self.validation_data = validation_data
+        self.every_n_steps = every_n_steps
+        self.every_n_epochs = every_n_epochs
+        self.validation_steps = validation_steps
+        self.batch_size = batch_size
+        self.callbacks = callbacks
+        self.validate_at_end = validate_at_end
+        self.verbose = verbose
+
+        self.history = []
+        self.last_validated_step = None
+        self._pending_callback_state = None
+        self._resumed = False
+        self._epoch = 0
+        self._epoch_val_logs = None
+
+    # -- Keras plumbing, forwarded to the driven callbacks ---------------------------------
+
+    def set_model(self, model):
+        super().set_model(model)
+        for callback in self.callbacks:
+            callback.set_model(model)
+
+    def set_params(self, params):
+        super().set_params(params)
+        for callback in self.callbacks:
+            callback.set_params(params)
+
+    def on_train_begin(self, logs=None):
+        for callback in self.callbacks:
+            callback.on_train_begin(logs)
+        if self._resumed:
+            self._resumed = False
+            if self._pending_callback_state is not None:
+                for callback, state in zip(self.callbacks, self._pending_callback_state):
+                    for name, value in state.items():
+                        setattr(callback, name, value)
+                self._pending_callback_state = None
+        else:
+            self.history = []
+            self.last_validated_step = None
+        if self.last_validated_step is None:
+            self.last_validated_step = self._current_step()
+
+    def on_train_end(self, logs=None):
+        for callback in self.callbacks:
+            callback.on_train_end(logs)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+        self._epoch_val_logs = None
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.every_n_steps is None:
+            return
+        step = self._current_step()
+        n = self.every_n_steps
+        if step // n > self.last_validated_step // n:
+            val_logs = self._validate(step, logs)
+            if logs is not None:
+                logs.update(val_logs)
+
+    def on_epoch_end(self, epoch, logs=None):
+        due = self.every_n_epochs is not None and (epoch + 1) % self.every_n_epochs == 0
+        step = self._current_step()
+        if not due and self.validate_at_end and step != self.last_validated_step:
+            last_epoch = self.params.get("epochs") if self.params else None
+            due = bool(self.model.stop_training) or (
+                last_epoch is not None and epoch + 1 >= last_epoch
+            )
+        if due:
+            self._validate(step, logs)
+        if self._epoch_val_logs is not None and logs is not None:
+            logs.update(self._epoch_val_logs)
+
+    # -- validation -------------------------------------------------------------------------
+
+    def _current_step(self):
+        return int(keras.ops.convert_to_numpy(self.model.optimizer.iterations))
+
+    def _evaluate(self):
+        """Runs `model.evaluate` and leaves the model's metric state as it found it.
+
+        Returns:
+            Dict of un-prefixed results (`{"loss": ..., "mae": ...}`).
+        """
+        variables = list(self.model.metrics_variables)
+        saved = [keras.ops.convert_to_numpy(variable) for variable in variables]
+        try:
+            return self.model.evaluate(
+                x=self._x,
+                y=self._y,
+                sample_weight=self._sample_weight,
+                batch_size=self.batch_size,
+                steps=self.validation_steps,
+                verbose=0,
+                return_dict=True,
+            )
+        finally:
+            for variable, value in zip(variables, saved):
+                variable.assign(value)
+
+    def _validate(self, step, train_logs):
+        val_logs = {f"val_{name}": float(value) for name, value in self._evaluate().items()}
+        self.last_validated_step = step
+        self.history.append({"step": step, "epoch": self._epoch, **val_logs})
+        self._epoch_val_logs = val_logs
+        if self.verbose:
+            values = " - ".join(f"{name}: {value:.4f}" for name, value in val_logs.items())
+            print(f"Step {step}: {values}")
+        if self.callbacks:
+            callback_logs = {**(train_logs or {}), **val_logs}
+            validation_round = len(self.history) - 1
+            for callback in self.callbacks:
+                callback.on_epoch_end(validation_round, callback_logs)
+        return val_logs
+
+    # -- resumable state ---------------------------------------------------------------------
+
+    def get_state(self):
+        """Returns the state needed to resume, as a JSON-compatible dict.
+
+        Returns:
+            Dict with `"last_validated_step"` (int or None), `"history"` (list of dicts)
+            and `"callbacks"` (one dict per driven callback with those of `best`, `wait`,
+            `cooldown_counter`, `best_epoch`, `stopped_epoch` it has). Best weights kept
+            by `EarlyStopping(restore_best_weights=True)` are not included.
+        """
+        return {
+            "last_validated_step": self.last_validated_step,
+            "history": copy.deepcopy(self.history),
+            "callbacks": [
+                {
+                    name: _to_python(getattr(callback, name))
+                    for name in _MONITOR_STATE_ATTRIBUTES
+                    if hasattr(callback, name)
+                }
+                for callback in self.callbacks
+            ],
+        }
+
+    def set_state(self, state):
+        """Restores a state from `get_state()`; the next `fit` continues from it.
+
+        Args:
+            state: Dict returned by `get_state()`.
+
+        Raises:
+            ValueError: If `state` lacks a key or holds state for a different number of
+                driven callbacks.
+        """
+        missing = {"last_validated_step", "history", "callbacks"} - set(state)
+        if missing:
+            raise ValueError(
+                f"`state` must come from `get_state()`; missing keys {sorted(missing)}. "
+                f"Received: state={state!r}"
+            )
+        if len(state["callbacks"]) != len(self.callbacks):
+            raise ValueError(
+                f"`state` holds state for {len(state['callbacks'])} callbacks but this "
+                f"PeriodicValidation drives {len(self.callbacks)}. "
+                f"Received: state={state!r}"
+            )
+        self.last_validated_step = state["last_validated_step"]
+        self.history = copy.deepcopy(list(state["history"]))
+        self._pending_callback_state = copy.deepcopy(list(state["callbacks"]))
+        self._resumed = True

@@ -1,0 +1,228 @@
+"""Learning-rate schedules that Keras lacks: linear warmup followed by SGDR restarts."""
+
+import math
+import numbers
+
+import keras
+from keras import ops
+
+__all__ = ["WarmupCosineDecayRestarts"]
+
+
+def _is_number(value):
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _is_int(value):
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+@keras.saving.register_keras_serializable(package="keras_fastloop")
+class WarmupCosineDecayRestarts(keras.optimizers.schedules.LearningRateSchedule):
+    """Linear warmup followed by cosine decay with warm restarts (SGDR).
+
+    For `step < warmup_steps` the learning rate rises linearly from
+    `initial_learning_rate` to `warmup_target` (the same formula as the warmup of
+    `keras.optimizers.schedules.CosineDecay`). From `step == warmup_steps` on it is
+    `keras.optimizers.schedules.CosineDecayRestarts(warmup_target, first_decay_steps,
+    t_mul, m_mul, alpha)` evaluated at `step - warmup_steps`: the first cosine period
+    lasts `first_decay_steps`, each later period `t_mul` times longer. As in Keras,
+    `m_mul` scales the cosine part only: period `i` (0-based) starts at
+    `warmup_target * ((1 - alpha) * m_mul**i + alpha)` and every period decays to the
+    same floor `alpha * warmup_target`.
+    The post-warmup part is delegated to Keras' own `CosineDecayRestarts`, so with
+    `warmup_steps=0` this schedule equals it exactly. The schedule is continuous at
+    the end of the warmup: both sides give `warmup_target` there.
+
+    Units: every `*_steps` argument and the `step` the schedule is called with count
+    optimizer updates. Caveat: when the optimizer itself accumulates gradients
+    (`keras.optimizers.SGD(..., gradient_accumulation_steps=k)`), Keras calls the
+    schedule with the number of *micro-batches* seen, not the number of updates.
+    Pass the same `gradient_accumulation_steps=k` here and the schedule converts it
+    back (`step // k`), so update `u` (1-based) uses the rate of `step = u - 1`, as it
+    would without accumulation.
+
+    Args:
+        initial_learning_rate: Float, >= 0. Learning rate at step 0, where the warmup
+            starts.
+        warmup_target: Float, >= 0. Learning rate reached at the end of the warmup,
+            and the peak of the first cosine period.
+        warmup_steps: Integer, >= 0. Length of the linear warmup in optimizer
+            updates. `0` means no warmup.
+        first_decay_steps: Integer, > 0. Length of the first cosine period in
+            optimizer updates.
+        t_mul: Float, >= 1. Each period is `t_mul` times longer than the one before.
+            Defaults to `2.0`. (Values below 1 would make the periods sum to a finite
+            number of steps, after which Keras' formula returns NaN.)
+        m_mul: Float, >= 0. Each period's cosine amplitude is `m_mul` times the
+            previous one's. Defaults to `1.0`.
+        alpha: Float in [0, 1]. Floor of every period as a fraction of
+            `warmup_target`. Defaults to `0.0`.
+        gradient_accumulation_steps: Integer >= 1 or `None`. Set it to the
+            optimizer's `gradient_accumulation_steps` so the schedule counts updates
+            rather than micro-batches (see above). Defaults to `None` (no conversion).
+        allow_decreasing_warmup: Boolean. Allow `warmup_target < initial_learning_rate`
+            (a linear *decrease* before the cosine part). Defaults to `False`, because
+            that is almost always a swapped pair of arguments.
+        name: String. Name scope of the ops. Defaults to
+            `"WarmupCosineDecayRestarts"`.
+
+    Returns:
+        Called with a scalar step (integer or float tensor / Python number), returns
+        the learning rate as a scalar float32 tensor.
+
+    Raises:
+        ValueError: If an argument is out of range or of the wrong type, or if
+            `warmup_target < initial_learning_rate` without
+            `allow_decreasing_warmup=True`.
+
+    Example:
+
+    >>> schedule = WarmupCosineDecayRestarts(
+    ...     initial_learning_rate=0.0, warmup_target=1e-3, warmup_steps=500,
+    ...     first_decay_steps=2000, t_mul=2.0, m_mul=0.8, alpha=0.01)
+    >>> optimizer = keras.optimizers.AdamW(learning_rate=schedule)
+    >>> round(float(schedule(250)), 6)  # half-way through the warmup
+    0.0005
+
+    Reference:
+        - Loshchilov & Hutter, "SGDR: Stochastic Gradient Descent with Warm Restarts",
+          ICLR 2017 (arXiv:1608.03983).
+        - Goyal et al., "Accurate, Large Minibatch SGD: Training ImageNet in 1 Hour",
+          2017 (arXiv:1706.02677): gradual linear warmup.
+    """
+
+    def __init__(
+        self,
+        initial_learning_rate,
+        warmup_target,
+        warmup_steps,
+        first_decay_steps,
+        t_mul=2.0,
+        m_mul=1.0,
+        alpha=0.0,
+        gradient_accumulation_steps=None,
+        allow_decreasing_warmup=False,
+        name="WarmupCosineDecayRestarts",
+    ):
+        super().__init__()
+        _check(
+            _is_number(initial_learning_rate)
+            and math.isfinite(initial_learning_rate)
+            and initial_learning_rate >= 0,
+            "initial_learning_rate",
+            "a finite number >= 0",
+            initial_learning_rate,
+        )
+        _check(
+            _is_number(warmup_target) and math.isfinite(warmup_target) and warmup_target >= 0,
+            "warmup_target",
+            "a finite number >= 0",
+            warmup_target,
+        )
+        _check(
+            _is_int(warmup_steps) and warmup_steps >= 0,
+            "warmup_steps",
+            "an integer >= 0",
+            warmup_steps,
+        )
+        _check(
+            _is_int(first_decay_steps) and first_decay_steps > 0,
+            "first_decay_steps",
+            "an integer > 0",
+            first_decay_steps,
+        )
+        _check(
+            _is_number(t_mul) and math.isfinite(t_mul) and t_mul >= 1,
+            "t_mul",
+            "a finite number >= 1",
+            t_mul,
+        )
+        _check(
+            _is_number(m_mul) and math.isfinite(m_mul) and m_mul >= 0,
+            "m_mul",
+            "a finite number >= 0",
+            m_mul,
+        )
+        _check(_is_number(alpha) and 0 <= alpha <= 1, "alpha", "a number in [0, 1]", alpha)
+        _check(
+            gradient_accumulation_steps is None
+            or (_is_int(gradient_accumulation_steps) and gradient_accumulation_steps >= 1),
+            "gradient_accumulation_steps",
+            "None or an integer >= 1",
+            gradient_accumulation_steps,
+        )
+        _check(
+            isinstance(allow_decreasing_warmup, bool),
+            "allow_decreasing_warmup",
+            "a bool",
+            allow_decreasing_warmup,
+        )
+        _check(isinstance(name, str), "name", "a string", name)
+        if warmup_target < initial_learning_rate and not allow_decreasing_warmup:
+            raise ValueError(
+                "`warmup_target` must be >= `initial_learning_rate` (the warmup raises the "
+                "learning rate); pass `allow_decreasing_warmup=True` to warm down on purpose. "
+                f"Received: initial_learning_rate={initial_learning_rate}, "
+                f"warmup_target={warmup_target}"
+            )
+
+        self.initial_learning_rate = float(initial_learning_rate)
+        self.warmup_target = float(warmup_target)
+        self.warmup_steps = int(warmup_steps)
+        self.first_decay_steps = int(first_decay_steps)
+        self.t_mul = float(t_mul)
+        self.m_mul = float(m_mul)
+        self.alpha = float(alpha)
+        self.gradient_accumulation_steps = (
+            None if gradient_accumulation_steps is None else int(gradient_accumulation_steps)
+        )
+        self.allow_decreasing_warmup = allow_decreasing_warmup
+        self.name = name
+        # The part after the warmup is exactly Keras' SGDR schedule, shifted.
+        self._restarts = keras.optimizers.schedules.CosineDecayRestarts(
+            self.warmup_target,
+            self.first_decay_steps,
+            t_mul=self.t_mul,
+            m_mul=self.m_mul,
+            alpha=self.alpha,
+            name=name,
+        )
+
+    def __call__(self, step):
+        with keras.name_scope(self.name):
+            if self.gradient_accumulation_steps:
+                step = ops.floor_divide(step, self.gradient_accumulation_steps)
+            warmup_target = ops.convert_to_tensor(self.warmup_target)
+            dtype = warmup_target.dtype
+            step = ops.cast(step, dtype)
+            if self.warmup_steps == 0:
+                return self._restarts(step)
+            initial_learning_rate = ops.convert_to_tensor(self.initial_learning_rate, dtype)
+            warmup_steps = ops.cast(self.warmup_steps, dtype)
+            # Same expression (and operation order) as keras' CosineDecay warmup.
+            warmup = (warmup_target - initial_learning_rate) * (
+                step / warmup_steps
+            ) + initial_learning_rate
+            # Clamp so the unused branch never sees a negative step (log of < 1).
+            decayed = self._restarts(ops.maximum(step - warmup_steps, 0.0))
+            return ops.where(step < warmup_steps, warmup, decayed)
+
+    def get_config(self):
+        return {
+            "initial_learning_rate": self.initial_learning_rate,
+            "warmup_target": self.warmup_target,
+            "warmup_steps": self.warmup_steps,
+            "first_decay_steps": self.first_decay_steps,
+            "t_mul": self.t_mul,
+            "m_mul": self.m_mul,
+            "alpha": self.alpha,
+            "gradient_accumulation_steps": self.gradient_accumulation_steps,
+            "allow_decreasing_warmup": self.allow_decreasing_warmup,
+            "name": self.name,
+        }
+
+
+def _check(condition, name, requirement, value):
+    if not condition:
+        raise ValueError(f"`{name}` must be {requirement}. Received: {name}={value!r}")
