@@ -1,0 +1,222 @@
+"""What every benchmark suite shares: timing, memory sampling, alternation and the report.
+
+A *contender* is a function ``train(run) -> None`` that trains one model from the given initial
+weights for ``run.epochs`` epochs and calls ``run.epoch_done(train_loss, train_seconds,
+samples)`` after each epoch (``train_seconds``: time spent in training steps only, so
+throughput excludes validation) and ``run.finish(val_accuracy)`` at the end. The harness runs
+all contenders ``rounds`` times in alternation (A B C A B C ...), so slow drifts of the machine
+hit every contender alike, and reports medians and ratios against the first contender.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import statistics
+import threading
+import time
+from pathlib import Path
+
+
+def machine_description() -> str:
+    """CPU model, core count and accelerators, for the report header."""
+    import tensorflow as tf
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    gpus = [
+        tf.config.experimental.get_device_details(g).get("device_name", g.name)
+        for g in tf.config.list_physical_devices("GPU")
+    ]
+    accel = ", ".join(gpus) if gpus else "no GPU"
+    return (
+        f"{cpu}, {os.cpu_count()} cores, {accel}; TensorFlow {tf.__version__}, "
+        f"Keras {__import__('keras').__version__}, Python {platform.python_version()}"
+    )
+
+
+class PeakRSS:
+    """Samples the process' resident set size in a thread; ``peak_mb`` is max RSS - RSS at start.
+
+    CPU-only measure (the process' whole memory, including TF's allocator and graph caches); a
+    GPU's memory is measured with ``tf.config.experimental.get_memory_info`` instead.
+    """
+
+    def __init__(self, interval=0.005):
+        self.interval = interval
+        self._stop = threading.Event()
+        self.start_mb = self.peak_mb_abs = 0.0
+
+    @staticmethod
+    def rss_mb():
+        try:
+            import psutil
+
+            return psutil.Process().memory_info().rss / 2**20
+        except ImportError:  # pragma: no cover - psutil is in the bench extra
+            with open("/proc/self/statm") as f:
+                return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+    def _loop(self):
+        while not self._stop.is_set():
+            self.peak_mb_abs = max(self.peak_mb_abs, self.rss_mb())
+            time.sleep(self.interval)
+
+    def __enter__(self):
+        self.start_mb = self.peak_mb_abs = self.rss_mb()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak_mb_abs = max(self.peak_mb_abs, self.rss_mb())
+
+    @property
+    def peak_mb(self):
+        return self.peak_mb_abs - self.start_mb
+
+
+@dataclasses.dataclass
+class Run:
+    """One training run of one contender; filled in by the contender through its callbacks."""
+
+    name: str
+    epochs: int
+    initial_weights: list
+    start: float = dataclasses.field(default_factory=time.perf_counter)
+    curve: list = dataclasses.field(default_factory=list)  # (wall seconds, epoch train loss)
+    train_seconds: list = dataclasses.field(default_factory=list)
+    samples: list = dataclasses.field(default_factory=list)
+    val_accuracy: float = float("nan")
+    peak_memory_mb: float = float("nan")
+    total_seconds: float = float("nan")
+
+    def epoch_done(self, train_loss, train_seconds, samples):
+        self.curve.append((time.perf_counter() - self.start, float(train_loss)))
+        self.train_seconds.append(float(train_seconds))
+        self.samples.append(int(samples))
+
+    def finish(self, val_accuracy):
+        self.val_accuracy = float(val_accuracy)
+        self.total_seconds = time.perf_counter() - self.start
+
+    def throughput(self):
+        """Training samples per second over all epochs but the first (which traces the step)."""
+        seconds = sum(self.train_seconds[1:])
+        return sum(self.samples[1:]) / seconds if seconds > 0 else float("nan")
+
+    def time_to_loss(self, target):
+        """Wall seconds (training + validation) until the epoch training loss is <= target."""
+        for seconds, loss in self.curve:
+            if loss <= target:
+                return seconds
+        return float("nan")
+
+
+def run_alternating(contenders, make_initial_weights, epochs, rounds, progress=print):
+    """Run every contender ``rounds`` times, alternating; returns ``{name: [Run, ...]}``."""
+    runs = {name: [] for name in contenders}
+    for r in range(rounds):
+        for name, train in contenders.items():
+            run = Run(name=name, epochs=epochs, initial_weights=make_initial_weights())
+            with PeakRSS() as mem:
+                run.start = time.perf_counter()
+                train(run)
+            run.peak_memory_mb = mem.peak_mb
+            runs[name].append(run)
+            progress(
+                f"  round {r + 1}/{rounds}  {name:<44s} {run.throughput():9.0f} samples/s  "
+                f"final loss {run.curve[-1][1]:.4f}  val acc {run.val_accuracy:.4f}  "
+                f"{run.total_seconds:6.1f} s"
+            )
+    return runs
+
+
+def _median(values):
+    values = [v for v in values if v == v]  # drop NaN
+    return statistics.median(values) if values else float("nan")
+
+
+def summarize(runs, target_loss, baseline):
+    """Median figures per contender and ratios against ``baseline``; JSON-able rows."""
+    rows = []
+    base_tp = _median([r.throughput() for r in runs[baseline]])
+    base_ttl = _median([r.time_to_loss(target_loss) for r in runs[baseline]])
+    for name, rs in runs.items():
+        tp = _median([r.throughput() for r in rs])
+        ttl = _median([r.time_to_loss(target_loss) for r in rs])
+        rows.append(
+            {
+                "contender": name,
+                "throughput_samples_per_s": tp,
+                "throughput_ratio": tp / base_tp,
+                "per_round_throughput_ratio": [
+                    r.throughput() / b.throughput() for r, b in zip(rs, runs[baseline])
+                ],
+                "time_to_target_s": ttl,
+                "speedup_to_target": base_ttl / ttl if ttl == ttl else float("nan"),
+                "final_train_loss": _median([r.curve[-1][1] for r in rs]),
+                "val_accuracy": _median([r.val_accuracy for r in rs]),
+                "peak_rss_growth_mb": _median([r.peak_memory_mb for r in rs]),
+                "total_seconds": _median([r.total_seconds for r in rs]),
+            }
+        )
+    return rows
+
+
+def markdown_table(rows, baseline, target_loss):
+    head = (
+        f"| contender | samples/s | throughput vs `{baseline}` | time to train loss ≤ "
+        f"{target_loss:g} (s) | speed-up to target | final val acc | peak RSS growth (MB) |\n"
+        "|---|---:|---:|---:|---:|---:|---:|\n"
+    )
+    lines = [
+        f"| {r['contender']} | {r['throughput_samples_per_s']:.0f} | {r['throughput_ratio']:.3f}× | "
+        f"{r['time_to_target_s']:.2f} | {r['speedup_to_target']:.2f}× | {r['val_accuracy']:.4f} | "
+        f"{r['peak_rss_growth_mb']:.0f} |"
+        for r in rows
+    ]
+    return head + "\n".join(lines) + "\n"
+
+
+def plot_curves(runs, path, title):
+    """Training loss against wall time, one line per contender (its first round)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, rs in runs.items():
+        seconds, losses = zip(*rs[0].curve)
+        ax.plot(seconds, losses, marker="o", markersize=3, label=name)
+    ax.set_xlabel("wall time (s, training + validation)")
+    ax.set_ylabel("epoch training loss")
+    ax.set_yscale("log")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_report(out_dir: Path, suite: str, markdown: str, payload: dict):
+    """Write ``{suite}.md`` and ``{suite}.json`` under ``out_dir``; return their paths."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    md_path = out_dir / f"{suite}.md"
+    json_path = out_dir / f"{suite}.json"
+    md_path.write_text(markdown)
+    json_path.write_text(json.dumps(payload, indent=2, default=float))
+    return md_path, json_path
