@@ -84,9 +84,10 @@ class PeriodicValidation(keras.callbacks.Callback):
     `metrics_variables`, `optimizer.iterations`), so it works for subclasses such as
     `keras_fastloop.OptimizedModel`.
 
-    **Resuming.** `get_state()` returns a JSON-compatible dict (last validated step,
-    the history, and `best`/`wait`/... of the driven callbacks); `set_state()` on a new
-    instance before `fit` resumes from it.
+    **Resuming.** Like stock callbacks, it starts afresh at each `fit` (empty history,
+    intervals counted from the optimizer's current step). `get_state()` returns a
+    JSON-compatible dict (last validated step, the history, and `best`/`wait`/... of the
+    driven callbacks); `set_state()` before the next `fit` continues from it instead.
 
     Args:
         validation_data: What `model.evaluate` accepts: a `tf.data.Dataset`, a
