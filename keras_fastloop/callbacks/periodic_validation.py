@@ -207,7 +207,6 @@ class PeriodicValidation(keras.callbacks.Callback):
         self.history = []
         self.last_validated_step = None
         self._pending_callback_state = None
-        self._resumed = False
         self._epoch = 0
         self._epoch_val_logs = None
 
@@ -226,13 +225,11 @@ class PeriodicValidation(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         for callback in self.callbacks:
             callback.on_train_begin(logs)
-        if self._resumed:
-            self._resumed = False
-            if self._pending_callback_state is not None:
-                for callback, state in zip(self.callbacks, self._pending_callback_state):
-                    for name, value in state.items():
-                        setattr(callback, name, value)
-                self._pending_callback_state = None
+        if self._pending_callback_state is not None:  # set_state() was called: resume
+            for callback, state in zip(self.callbacks, self._pending_callback_state):
+                for name, value in state.items():
+                    setattr(callback, name, value)
+            self._pending_callback_state = None
         else:
             self.history = []
             self.last_validated_step = None
@@ -361,4 +358,3 @@ class PeriodicValidation(keras.callbacks.Callback):
         self.last_validated_step = state["last_validated_step"]
         self.history = copy.deepcopy(list(state["history"]))
         self._pending_callback_state = copy.deepcopy(list(state["callbacks"]))
-        self._resumed = True
