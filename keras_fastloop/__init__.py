@@ -3,7 +3,14 @@
 Swap ``keras.Model`` for :class:`OptimizedModel` and keep calling ``compile``/``fit``.
 """
 
-from keras_fastloop import clipping, weighting
+from keras_fastloop import (
+    callbacks,
+    clipping,
+    data,
+    mixed_precision,
+    schedules,
+    weighting,
+)
 from keras_fastloop.model import OptimizedModel
 
 __version__ = "0.1.0"
@@ -11,6 +18,10 @@ __version__ = "0.1.0"
 __all__ = [
     "OptimizedModel",
     "__version__",
+    "callbacks",
     "clipping",
+    "data",
+    "mixed_precision",
+    "schedules",
     "weighting",
 ]

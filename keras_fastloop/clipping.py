@@ -18,6 +18,16 @@ from keras import ops
 
 _PACKAGE = "keras_fastloop"
 
+__all__ = [
+    "AdaptiveGradientClipping",
+    "AutoClip",
+    "ClipByGlobalNorm",
+    "ClipByNorm",
+    "ClipByValue",
+    "GradientClipping",
+    "get",
+]
+
 
 def _positive(name, value):
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
