@@ -1,8 +1,94 @@
-"""In-step micro-batching (being written)."""
+"""In-step micro-batching: one optimizer update per batch, one micro-batch's activations alive.
+
+``compile(micro_batch_size=k)`` makes :class:`~keras_fastloop.OptimizedModel`'s ``train_step``
+call :func:`accumulate` instead of taking one gradient of the whole batch. :func:`accumulate`
+splits the (per-replica) batch into micro-batches of ``k`` samples (the last one may be
+smaller), runs forward and backward on one micro-batch at a time inside a ``tf.while_loop``
+(``parallel_iterations=1``, so only one micro-batch's activations are alive) and sums the
+gradients in loop variables. The step then does everything else once: cross-replica sum,
+unscale, finite check, clipping and a single ``optimizer.apply``.
+
+**Weighting (why the sum equals the full batch).** A Keras loss with reduction
+``"sum_over_batch_size"`` or ``"mean_with_sample_weight"`` is a ratio ``L = N / D``: ``N`` sums
+the (sample-weighted, masked) loss elements, ``D`` counts elements (``sum_over_batch_size``
+without mask), unmasked elements (with a Keras mask on the prediction) or sums sample weights
+(``mean_with_sample_weight``). Both are sums over samples, so for micro-batch ``m``::
+
+    L_full = N / D = sum_m (D_m / D) * (N_m / D_m) = sum_m share_m * L_m
+
+Every micro-batch's own Keras loss ``L_m`` is weighted by its share ``D_m / D`` of the *full*
+batch's denominator, never by ``1 / num_micro_batches`` (the mean of means that HF transformers
+PR#34191 fixed). The shares are exact, per task:
+
+- ``"sum"``: share 1 (``N`` is not divided).
+- no Keras mask on the task's prediction: ``n_m / n`` (element counts grow with the number of
+  samples), or ``sum(sample_weight_m) / sum(sample_weight)`` for ``"mean_with_sample_weight"``
+  with sample weights. Known from the data alone, no extra work.
+- a Keras mask on the prediction (``Embedding(mask_zero=True)``, ``Masking``): the denominator
+  depends on the mask, which only the forward pass produces. A first, inference-mode pass over
+  the micro-batches (no tape, so no activations are kept) sums every masked task's denominator;
+  the training pass then weights each micro-batch by its own count over that total. This is
+  exact for any number of tasks, and costs one extra forward pass (about a third of a training
+  pass) only for models with masked outputs. The count is taken by Keras' own reduction code
+  (a ``"sum"``-reduced probe loss on a tensor of ones), so mask and sample-weight broadcasting
+  follow Keras exactly.
+- ``reduction=None``/``"none"``: rejected (the step needs a scalar loss).
+
+Regularization losses (``model.losses``: activity regularizers, which Keras divides by the
+micro-batch's size, ``add_loss`` terms and weight regularizers) are weighted by ``n_m / n``, so
+each counts once per full batch (a weight regularizer's shares sum to one).
+
+**Loss weighting.** The objective is ``f(L_1..L_T, theta)`` (``LossWeighting.combine``). Each
+micro-batch contributes ``sum_t (df/dL_t) * share_m * L_tm`` with ``df/dL_t`` held constant, and
+the weighting's own trainable variables ``theta`` (e.g. uncertainty weighting's log-variances)
+get their gradient once, after the loop, from ``f`` at the full-batch losses. This is exact for
+every weighting that is affine in the losses (static, ``ew``, ``uw``, ``dwa``, ``rlw``: weights
+read from variables); for one that is not (e.g. a log of the losses), ``df/dL`` is taken at each
+micro-batch's own losses, an approximation. Gradient-based weighting methods are rejected in
+``compile()``.
+
+**Metrics.** Compiled metrics are updated once per micro-batch with that micro-batch's data
+(their sums and counts add up to the full batch's); the loss trackers once with the full-batch
+values. Epoch means are the same as without micro-batching.
+
+Accumulators are dense: an ``Embedding``'s ``IndexedSlices`` gradient is summed into a dense
+tensor. SGD (with or without momentum) gives the same update either way; Keras' Adam does not:
+on ``IndexedSlices`` with repeated indices it squares each slice before summing them into its
+second moment, so ``keras.Model`` with Adam and an embedding takes a (slightly) different step
+from the true full-batch gradient that micro-batching applies.
+
+Not equivalent by construction: layers whose output depends on the other samples of the batch
+(``BatchNormalization`` in training mode sees micro-batch statistics) and random layers
+(``Dropout`` draws different masks). Sparse or ragged inputs are not supported.
+"""
+
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+from keras import ops
+
+from keras_fastloop import _keras_internals as internals
+
+_DIVIDING_REDUCTIONS = ("sum_over_batch_size", "mean", "mean_with_sample_weight")
 
 
 def validate_micro_batch_size(micro_batch_size):
-    """Return ``micro_batch_size`` if it is ``None`` or a positive int, else raise ValueError."""
+    """Check ``compile(micro_batch_size=...)``.
+
+    Args:
+        micro_batch_size: ``None`` or a positive Python int (``bool`` is rejected).
+
+    Returns:
+        ``micro_batch_size`` unchanged.
+
+    Raises:
+        ValueError: for anything else (``0``, negatives, floats, booleans, strings).
+
+    Example:
+        >>> validate_micro_batch_size(4)
+        4
+    """
     if micro_batch_size is None:
         return None
     if (
@@ -17,5 +103,304 @@ def validate_micro_batch_size(micro_batch_size):
     return micro_batch_size
 
 
+class _CountProbe(keras.losses.Loss):
+    """``"sum"``-reduced loss of ones: Keras' own count of a loss's (weighted, unmasked) elements.
+
+    Called like the task's loss, it returns ``sum(ones * sample_weight * mask)`` with Keras'
+    broadcasting rules — the denominator of the task's loss, up to a factor that is the same
+    for every micro-batch.
+    """
+
+    def __init__(self, inner):
+        super().__init__(name="count_probe", reduction="sum", dtype=inner.dtype)
+        self._inner = inner
+
+    def call(self, y_true, y_pred):
+        return ops.ones_like(self._inner.call(y_true, y_pred))
+
+
+def _first_tensor(structure):
+    return next(t for t in tf.nest.flatten(structure) if t is not None)
+
+
+def _slice(structure, start, size):
+    """Rows ``[start, start + size)`` of every tensor in ``structure`` (``None`` passes through).
+
+    ``tf.slice`` with a constant ``size`` keeps the micro-batch's shape static inside the loop
+    (XLA compiles it as a dynamic slice).
+    """
+
+    def cut(t):
+        if t is None:
+            return None
+        t = tf.convert_to_tensor(t)
+        rank = t.shape.rank
+        begin = [start] + [0] * (rank - 1)
+        return tf.slice(t, begin, [size] + [-1] * (rank - 1))
+
+    if structure is None:
+        return None
+    return tf.nest.map_structure(cut, structure)
+
+
+def _task_parts(tasks, y, y_pred, sample_weight):
+    """``(y_true, y_pred, sample_weight)`` of every task, picked as :class:`TaskLosses` does."""
+    if isinstance(y_pred, (list, tuple)) and isinstance(y, dict) and tasks._output_names:
+        y = [y.get(n) for n in tasks._output_names]
+    parts = []
+    for i, task in enumerate(tasks.tasks):
+        index = tasks._output_index(task, i)
+        parts.append(
+            (
+                tasks._pick(y, task, index),
+                tasks._pick(y_pred, task, index) if y_pred is not None else None,
+                tasks._pick(sample_weight, task, index),
+            )
+        )
+    return parts
+
+
+def _call(model, x, training):
+    if model._call_has_training_arg:
+        return model(x, training=training)
+    return model(x)
+
+
+def _detect_masks(model, x):
+    """Trace the model once, symbolically, to learn which tasks' predictions carry a Keras mask.
+
+    Nothing runs: a throwaway concrete function is traced on the micro-batch's signature. Also
+    resolves the tasks and builds the loss weighting (creating their variables here, outside the
+    loop) when the model's outputs were not known at ``compile()``.
+
+    Returns:
+        A list of bools, one per task.
+    """
+    found = {}
+
+    def scratch(x_spec):
+        y_pred = _call(model, x_spec, training=False)
+        flat = tf.nest.flatten(y_pred)
+        found["structure"] = tf.nest.pack_sequence_as(y_pred, [None] * len(flat))
+        found["masked"] = tf.nest.pack_sequence_as(
+            y_pred, [internals.get_keras_mask(p) is not None for p in flat]
+        )
+        return tf.constant(0)
+
+    spec = tf.nest.map_structure(lambda t: tf.TensorSpec([None] + list(t.shape[1:]), t.dtype), x)
+    tf.function(scratch, autograph=False).get_concrete_function(spec)
+    tasks = model._task_losses
+    if not tasks.built:
+        tasks.build(found["structure"])
+    if not model._loss_weighting.task_names:
+        model._build_weighting()
+    return [bool(parts[1]) for parts in _task_parts(tasks, None, found["masked"], None)]
+
+
+def _for_each_micro_batch(n, k, body, carry):
+    """Run ``body(start, size, carry) -> carry`` over ``[0, n)`` in steps of ``k``.
+
+    Full micro-batches (static size ``k``) run in a ``tf.while_loop`` with
+    ``parallel_iterations=1``; the ragged remainder (``n % k`` samples, possibly none) runs once
+    after it under ``tf.cond``.
+    """
+    full = n // k
+
+    def loop_body(i, *c):
+        return (i + 1, *body(i * k, k, tuple(c)))
+
+    _, *carry = tf.while_loop(
+        lambda i, *c: i < full,
+        loop_body,
+        (tf.constant(0, n.dtype), *carry),
+        parallel_iterations=1,
+    )
+    carry = tuple(carry)
+    start = full * k
+    rest = n - start
+    return tf.cond(rest > 0, lambda: body(start, rest, carry), lambda: carry)
+
+
+def _reduction(task):
+    reduction = task.loss_fn.reduction
+    if reduction not in ("sum", *_DIVIDING_REDUCTIONS):
+        raise ValueError(
+            "`micro_batch_size` needs every loss to reduce to a scalar (reduction "
+            f"'sum_over_batch_size', 'mean', 'mean_with_sample_weight' or 'sum'). Task "
+            f"'{task.name}' has reduction={reduction!r}. Received: loss={task.loss_spec!r}"
+        )
+    return reduction
+
+
+def _masked_denominators(model, x, y, sample_weight, n, k, masked):
+    """Full-batch denominator of every masked task (0 for the others), from a no-tape pass."""
+    tasks = model._task_losses
+    probes = {}
+
+    def body(start, size, carry):
+        (total,) = carry
+        y_pred = _call(model, _slice(x, start, size), training=False)
+        parts = _task_parts(
+            tasks, _slice(y, start, size), y_pred, _slice(sample_weight, start, size)
+        )
+        counts = []
+        for task, is_masked, (y_t, y_p, sw_t) in zip(tasks.tasks, masked, parts):
+            if task.loss_fn is None:
+                task.loss_fn = internals.get_loss(task.loss_spec, y_t, y_p)
+            if not is_masked or _reduction(task) == "sum":
+                counts.append(tf.constant(0.0))
+                continue
+            probe = probes.setdefault(task.name, _CountProbe(task.loss_fn))
+            sw = sw_t if task.loss_fn.reduction == "mean_with_sample_weight" else None
+            counts.append(ops.cast(probe(y_t, y_p, sw), "float32"))
+        return (total + ops.stack(counts),)
+
+    (total,) = _for_each_micro_batch(n, k, body, (tf.zeros([len(tasks.tasks)], "float32"),))
+    return total, probes
+
+
+def _loss_coefficients(weighting, losses):
+    """``d combine / d L_t`` at ``losses`` (the loss weights, for an affine weighting)."""
+    stacked = ops.stop_gradient(ops.stack(losses))
+    with tf.GradientTape() as tape:
+        tape.watch(stacked)
+        objective, _ = weighting.combine(tf.unstack(stacked))
+    coefficients = tape.gradient(objective, stacked)
+    if coefficients is None:
+        return ops.zeros_like(stacked)
+    return ops.stop_gradient(coefficients)
+
+
 def accumulate(model, x, y, sample_weight, variables, micro_batch_size):
-    raise NotImplementedError
+    """Loss-scaled gradient of the full batch's objective, one micro-batch at a time.
+
+    Called by ``OptimizedModel.train_step`` (per replica under ``tf.distribute``) when
+    ``compile(micro_batch_size=k)`` is set. See the module docstring for the weighting.
+
+    Args:
+        model: the compiled :class:`~keras_fastloop.OptimizedModel`.
+        x: inputs, a tensor or a nest of tensors with the batch (``n`` samples, may be unknown
+            while tracing) on axis 0.
+        y: targets, same batch layout (a tensor, list or dict per output).
+        sample_weight: ``None``, or one tensor / a list or dict per output, shape ``(n,)`` or
+            broadcastable to each loss's elements (class weights arrive here).
+        variables: the variables to differentiate (``model.trainable_variables``).
+        micro_batch_size: ``k``, a positive int; the last micro-batch holds ``n % k`` samples
+            when ``k`` does not divide ``n``.
+
+    Returns:
+        ``(grads, logs)``: ``grads`` is a list of tensors shaped like ``variables``, the gradient
+        of ``optimizer.scale_loss(objective)`` for the whole batch (before the cross-replica sum,
+        unscaling and clipping, which the step does once). ``logs`` holds the model's metric
+        results (loss trackers updated once with the full-batch values, compiled metrics once
+        per micro-batch) plus ``"_weights"``, the weighting's weight vector at the full-batch
+        losses, and ``"_losses"``, the list of full-batch per-task losses.
+
+    Raises:
+        ValueError: a loss with ``reduction=None``/``"none"``.
+        RuntimeError: a prediction whose Keras mask appears only in training mode.
+
+    Example:
+        >>> model.compile("sgd", "mse", micro_batch_size=4)  # doctest: +SKIP
+        >>> model.fit(x, y, batch_size=16)  # 4 micro-batches, one update per batch
+    """
+    k = int(micro_batch_size)
+    tasks = model._task_losses
+    weighting = model._loss_weighting
+    masked = _detect_masks(model, x)
+    num_tasks = len(tasks.tasks)
+    n = tf.shape(_first_tensor(x), out_type=tf.int32)[0]
+    n_float = ops.cast(n, "float32")
+
+    full_parts = _task_parts(tasks, None, None, sample_weight)
+    weight_totals = [
+        None if sw is None else ops.sum(ops.cast(sw, "float32")) for _, _, sw in full_parts
+    ]
+    if any(masked):
+        mask_totals, probes = _masked_denominators(model, x, y, sample_weight, n, k, masked)
+    else:
+        mask_totals, probes = None, {}
+
+    connected = [False] * len(variables)
+
+    def body(start, size, carry):
+        grad_acc, loss_acc, reg_acc = carry
+        x_m = _slice(x, start, size)
+        y_m = _slice(y, start, size)
+        sw_m = _slice(sample_weight, start, size)
+        size_float = ops.cast(size, "float32")
+        with tf.GradientTape() as tape:
+            y_pred = _call(model, x_m, training=True)
+            losses = tasks(y_m, y_pred, sw_m)
+            shares = []
+            parts = _task_parts(tasks, y_m, y_pred, sw_m)
+            for i, (task, (y_t, y_p, sw_t)) in enumerate(zip(tasks.tasks, parts)):
+                has_mask = internals.get_keras_mask(y_p) is not None
+                if has_mask != masked[i]:
+                    raise RuntimeError(
+                        f"The prediction for task '{task.name}' carries a Keras mask in "
+                        "training mode but not in inference mode (or the reverse); "
+                        "`micro_batch_size` cannot weight it exactly. "
+                        f"Received: micro_batch_size={k}"
+                    )
+                reduction = _reduction(task)
+                if reduction == "sum":
+                    shares.append(tf.constant(1.0))
+                elif masked[i]:
+                    sw = sw_t if reduction == "mean_with_sample_weight" else None
+                    count = ops.cast(probes[task.name](y_t, y_p, sw), "float32")
+                    shares.append(ops.divide_no_nan(count, mask_totals[i]))
+                elif reduction == "mean_with_sample_weight" and sw_t is not None:
+                    part = ops.sum(ops.cast(sw_t, "float32"))
+                    shares.append(ops.divide_no_nan(part, weight_totals[i]))
+                else:
+                    shares.append(size_float / n_float)
+            contributions = [s * loss for s, loss in zip(shares, losses)]
+            with tape.stop_recording():
+                coefficients = _loss_coefficients(weighting, losses)
+            extra = [
+                internals.scale_loss_for_distribution(ops.sum(ops.cast(r, "float32")))
+                for r in model.losses
+            ]
+            reg = ops.sum(ops.stack(extra)) * (size_float / n_float) if extra else 0.0
+            objective = ops.sum(coefficients * ops.stack(contributions)) + reg
+            scaled = model.optimizer.scale_loss(objective)
+        grads = tape.gradient(scaled, variables, unconnected_gradients=tf.UnconnectedGradients.NONE)
+        for i, g in enumerate(grads):
+            connected[i] = connected[i] or g is not None
+        grad_acc = tuple(a if g is None else a + g for a, g in zip(grad_acc, grads))
+        model.compute_metrics(x_m, y_m, y_pred, sample_weight=sw_m)
+        loss_acc = loss_acc + ops.stack([ops.stop_gradient(c) for c in contributions])
+        reg_acc = reg_acc + ops.stop_gradient(ops.cast(reg, "float32"))
+        return grad_acc, loss_acc, reg_acc
+
+    init = (
+        tuple(tf.zeros(v.shape, v.dtype) for v in variables),
+        tf.zeros([num_tasks], "float32"),
+        tf.constant(0.0),
+    )
+    grad_acc, loss_acc, reg_acc = _for_each_micro_batch(n, k, body, init)
+
+    # The weighting's own variables: their gradient, once, at the full-batch losses.
+    losses = tf.unstack(loss_acc, num=num_tasks)
+    with tf.GradientTape() as tape:
+        combined, weights = weighting.combine(losses)
+        scaled = model.optimizer.scale_loss(combined)
+    theta = tape.gradient(scaled, variables, unconnected_gradients=tf.UnconnectedGradients.NONE)
+    grads = []
+    for i, (acc, g) in enumerate(zip(grad_acc, theta)):
+        if g is not None:
+            connected[i] = True
+            acc = acc + ops.cast(g, acc.dtype)
+        grads.append(acc if connected[i] else None)
+    grads = model._zeros_for_unconnected(grads, variables)
+
+    total = combined + reg_acc
+    model._loss_tracker.update_state(
+        internals.unscale_loss_for_distribution(total), sample_weight=n
+    )
+    tasks.update_trackers(losses, n)
+    logs = dict(model.get_metrics_result())
+    logs["_weights"] = weights
+    logs["_losses"] = losses
+    return grads, logs
