@@ -182,7 +182,8 @@ class OptimizedModel(keras.Model):
         self._task_losses = TaskLosses(loss, loss_weights, output_names)
         self._gradient_clipping = clipper
         self._loss_weighting_given = loss_weighting is not None
-        self._shared_variables = shared_variables
+        # untracked: Keras would otherwise adopt the listed variables/layers as the model's own
+        object.__setattr__(self, "_shared_variables", shared_variables)
         self._micro_batch_size = micro_batch_size
         self._nonfinite = nonfinite
         self._warned_unconnected = False
@@ -263,7 +264,7 @@ class OptimizedModel(keras.Model):
             scaled = self.optimizer.scale_loss(total)
         grads = weighting.gradients(tape, losses, scaled, variables, self.optimizer.scale_loss)
         if weighting.requires_task_gradients:  # weights decided from this step's gradients
-            weights = ops.convert_to_tensor(weighting.weights)
+            weights = weighting.read_weights()
         grads = self._zeros_for_unconnected(grads, variables)
         return grads, y_pred, losses, total, weights
 

@@ -9,10 +9,33 @@ from __future__ import annotations
 import keras
 
 from keras_fastloop.weighting.base import EqualWeighting, LossWeighting, Static
+from keras_fastloop.weighting.dwa import DWA
+from keras_fastloop.weighting.famo import FAMO
+from keras_fastloop.weighting.gradient_based import (
+    IMTL,
+    MGDA,
+    CAGrad,
+    GradientWeighting,
+    GradNorm,
+    PCGrad,
+)
+from keras_fastloop.weighting.loss_based import LossEMA
+from keras_fastloop.weighting.rlw import RLW
+from keras_fastloop.weighting.uncertainty import UncertaintyWeighting
 
 _METHODS = {
     "static": Static,
     "ew": EqualWeighting,
+    "loss_ema": LossEMA,
+    "uw": UncertaintyWeighting,
+    "dwa": DWA,
+    "rlw": RLW,
+    "famo": FAMO,
+    "gradnorm": GradNorm,
+    "pcgrad": PCGrad,
+    "cagrad": CAGrad,
+    "mgda": MGDA,
+    "imtl": IMTL,
 }
 
 
@@ -54,4 +77,21 @@ def get(identifier):
 
 METHODS = tuple(sorted(_METHODS))
 
-__all__ = ["METHODS", "EqualWeighting", "LossWeighting", "Static", "get"]
+__all__ = [
+    "DWA",
+    "FAMO",
+    "IMTL",
+    "MGDA",
+    "METHODS",
+    "RLW",
+    "CAGrad",
+    "EqualWeighting",
+    "GradNorm",
+    "GradientWeighting",
+    "LossEMA",
+    "LossWeighting",
+    "PCGrad",
+    "Static",
+    "UncertaintyWeighting",
+    "get",
+]

@@ -12,7 +12,9 @@ The step calls, in order, inside one ``tf.function``:
 3. ``gradients(tape, losses, objective, variables, scale_loss)``: the gradients of the (loss
    scaled) objective for ``variables``. Loss-based methods keep the default (one backward pass);
    gradient-based methods override it and set ``requires_task_gradients = True`` (the step then
-   records a persistent tape).
+   records a persistent tape). A gradient-based method decides its weights from this step's
+   gradients: it assigns them to ``weights`` inside ``gradients`` and the step logs
+   ``read_weights()`` taken right after (so the logged weights are this step's).
 4. ``update(losses)`` after the optimizer applied the update (only on steps that were applied):
    advance the method's state.
 
@@ -69,9 +71,17 @@ class LossWeighting:
     def initial_weights(self, static_weights):
         return [1.0] * len(static_weights)
 
+    def read_weights(self):
+        """A snapshot (a read at this point of the step) of the ``weights`` variable.
+
+        ``ops.convert_to_tensor`` on a variable may return the variable itself, whose value a
+        ``tf.function`` output would show only after later assignments in the same step.
+        """
+        return tf.identity(self.weights.value)
+
     def combine(self, losses):
         """Weighted objective ``sum_i w_i * L_i`` with ``w`` read from the ``weights`` variable."""
-        weights = ops.convert_to_tensor(self.weights)
+        weights = self.read_weights()
         return ops.sum(ops.stack(losses) * ops.stop_gradient(weights)), weights
 
     def gradients(self, tape, losses, objective, variables, scale_loss):
@@ -102,6 +112,15 @@ class Static(LossWeighting):
 
     Unlike Keras, the weights live in a variable (``weights``), so assigning new values during
     ``fit`` changes the next step's objective without retracing.
+
+    Example:
+        >>> model.compile("adam", losses, loss_weights={"cls": 1.0, "seg": 0.5},
+        ...               loss_weighting="static")
+        >>> model.loss_weighting.weights.assign([1.0, 2.0])  # next step, no retrace
+
+    Reference:
+        Keras' ``compile(loss_weights=...)``; the fixed-weight baseline of Caruana, "Multitask
+        Learning", Machine Learning 28, 1997.
     """
 
     name = "static"
@@ -112,6 +131,16 @@ class Static(LossWeighting):
 
 @keras.saving.register_keras_serializable(package=_PACKAGE)
 class EqualWeighting(LossWeighting):
-    """Equal weights: every task's loss counts with weight 1 (LibMTL ``ew``)."""
+    """Equal weights: every task's loss counts with weight 1 (LibMTL ``ew``).
+
+    Objective ``sum_i L_i``. The weights are held in a variable like ``static``'s.
+
+    Example:
+        >>> model.compile("adam", losses, loss_weighting="ew")
+
+    Reference:
+        The equal-weighting baseline of Caruana, "Multitask Learning", Machine Learning 28, 1997;
+        LibMTL's ``EW`` (Lin & Zhang, "LibMTL: A Python Library for Multi-Task Learning", JMLR 2023).
+    """
 
     name = "ew"

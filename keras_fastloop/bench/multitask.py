@@ -1,0 +1,300 @@
+"""Multi-task benchmark: every loss weighting method on real digits, classify + segment.
+
+Data: scikit-learn's ``load_digits`` (1797 real 8x8 handwritten digits, offline). Task ``cls``:
+the digit (10 classes). Task ``seg``: the ink mask of the *clean* image (pixel > 4 of 16). The
+network sees a corrupted image: Gaussian noise (sigma 0.35 on the [0, 1] scale) and one random
+3x3 patch blanked out, so segmentation needs the shape, not a threshold, and competes with
+classification for the shared trunk. Fixed 80/20 split (seed 0).
+
+Model: a shared conv trunk (two 3x3 conv layers, 16 channels) with a classification head
+(flatten + dense softmax) and a segmentation head (1x1 conv, sigmoid). For each seed the initial
+weights are drawn once and every contender starts from them, with the same optimizer (Adam
+3e-3), batch size (64), number of epochs and data order. Single-task baselines (STL) train the
+same two-head network with the other task's loss removed.
+
+Reported per method: test accuracy, test IoU of the ink mask, Delta_m as LibMTL defines it,
+``Delta_m = 100/T * sum_i (-1)^{l_i} (M_i - M_i^STL) / M_i^STL`` (``l_i = 1`` when lower is
+better; both metrics here are higher-is-better), and the steady-state step time relative to
+``ew``: the median wall time of a training step measured by a batch callback, over every step
+but the first two of each run (which include tracing). Targets: loss-based methods <= 1.05x
+``ew``, gradient-based <= (T + 0.5)x. Numbers are whatever this machine measures.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+SUITE = "multitask"
+LOSS_BASED = ("ew", "loss_ema", "uw", "dwa", "rlw", "famo")
+GRADIENT_BASED = ("gradnorm", "pcgrad", "cagrad", "mgda", "imtl")
+TASKS = ("cls", "seg")
+
+
+def load_data(seed=0):
+    """Digits as ``(x_train, y_train, x_test, y_test)`` with ``y`` dicts ``{"cls", "seg"}``."""
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    clean = (digits.images / 16.0).astype("float32")
+    rng = np.random.default_rng(seed)
+    noisy = clean + rng.normal(0.0, 0.35, clean.shape).astype("float32")
+    for image in noisy:
+        r, c = rng.integers(0, 6, size=2)
+        image[r : r + 3, c : c + 3] = 0.0
+    mask = (digits.images > 4).astype("float32")[..., None]
+    order = rng.permutation(len(clean))
+    split = int(0.8 * len(clean))
+    train, test = order[:split], order[split:]
+    x = noisy[..., None]
+    y = {"cls": digits.target.astype("int32"), "seg": mask}
+    return (
+        x[train],
+        {k: v[train] for k, v in y.items()},
+        x[test],
+        {k: v[test] for k, v in y.items()},
+    )
+
+
+def build_model():
+    import keras
+
+    from keras_fastloop import OptimizedModel
+
+    inputs = keras.Input((8, 8, 1))
+    h = keras.layers.Conv2D(16, 3, padding="same", activation="relu", name="trunk_1")(inputs)
+    h = keras.layers.Conv2D(16, 3, padding="same", activation="relu", name="trunk_2")(h)
+    cls = keras.layers.Dense(10, activation="softmax", name="cls")(keras.layers.Flatten()(h))
+    seg = keras.layers.Conv2D(1, 1, activation="sigmoid", name="seg")(h)
+    return OptimizedModel(inputs, {"cls": cls, "seg": seg})
+
+
+class StepTimer:
+    """Keras callback recording the wall time of every training step."""
+
+    def __new__(cls):
+        import keras
+
+        class _Timer(keras.callbacks.Callback):
+            def __init__(self):
+                super().__init__()
+                self.times = []
+
+            def on_train_batch_begin(self, batch, logs=None):
+                self._t = time.perf_counter()
+
+            def on_train_batch_end(self, batch, logs=None):
+                self.times.append(time.perf_counter() - self._t)
+
+        return _Timer()
+
+
+def evaluate(model, x, y):
+    pred = {k: np.asarray(v) for k, v in model(x, training=False).items()}
+    accuracy = float(np.mean(np.argmax(pred["cls"], -1) == y["cls"]))
+    p, t = pred["seg"] > 0.5, y["seg"] > 0.5
+    iou = float(np.logical_and(p, t).sum() / max(np.logical_or(p, t).sum(), 1))
+    pixel = float(np.mean(p == t))
+    return {"accuracy": accuracy, "iou": iou, "pixel_accuracy": pixel}
+
+
+def train_one(method, initial, data, epochs, batch_size=64):
+    """Train one contender from ``initial`` weights; return metrics and step times."""
+    import keras
+
+    x, y, x_test, y_test = data
+    model = build_model()
+    model.set_weights(initial)
+    loss = {"cls": "sparse_categorical_crossentropy", "seg": "binary_crossentropy"}
+    kwargs = {}
+    if method in ("stl_cls", "stl_seg"):
+        loss[{"stl_cls": "seg", "stl_seg": "cls"}[method]] = None
+    else:
+        kwargs["loss_weighting"] = method
+    model.compile(keras.optimizers.Adam(3e-3), loss, **kwargs)
+    timer = StepTimer()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # STL: the unused head gets no gradient
+        history = model.fit(
+            x,
+            y,
+            batch_size=batch_size,
+            epochs=epochs,
+            shuffle=False,
+            verbose=0,
+            callbacks=[timer],
+        ).history
+    steps_per_epoch = -(-len(x) // batch_size)
+    steady = [t for i, t in enumerate(timer.times) if i % steps_per_epoch >= 2 or i >= 2]
+    result = evaluate(model, x_test, y_test)
+    result["step_time_ms"] = 1e3 * statistics.median(steady[1:] if len(steady) > 1 else steady)
+    result["final_weights"] = [
+        float(history[f"{t}_weight"][-1]) for t in TASKS if f"{t}_weight" in history
+    ]
+    return result
+
+
+def delta_m(metrics, baseline):
+    """LibMTL's Delta_m in percent (both metrics higher-is-better)."""
+    terms = [(metrics[k] - baseline[k]) / baseline[k] for k in ("accuracy", "iou")]
+    return 100.0 * sum(terms) / len(terms)
+
+
+def _mean_std(values):
+    values = list(values)
+    return float(np.mean(values)), float(np.std(values))
+
+
+def run(out_dir: Path, quick: bool = False) -> dict:
+    """Run the suite and write ``multitask.md``, ``multitask.json``, ``multitask.png``.
+
+    Args:
+        out_dir: folder for the report (created if missing).
+        quick: 1 seed, 2 epochs on 640 training images (for tests and notebooks, well under a
+            minute); otherwise 3 seeds, 8 epochs on the full training split.
+
+    Returns:
+        The results dict (also written as JSON) with a ``"markdown"`` table.
+    """
+    import keras
+
+    from keras_fastloop.bench.harness import machine_description
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    seeds = (0,) if quick else (0, 1, 2)
+    epochs = 2 if quick else 8
+    data = load_data()
+    if quick:
+        data = (data[0][:640], {k: v[:640] for k, v in data[1].items()}, *data[2:])
+    methods = LOSS_BASED + GRADIENT_BASED
+    raw = {m: [] for m in ("stl_cls", "stl_seg", *methods)}
+    t0 = time.perf_counter()
+    for seed in seeds:
+        keras.utils.set_random_seed(seed)
+        initial = build_model().get_weights()
+        for method in raw:
+            keras.utils.set_random_seed(seed)
+            raw[method].append(train_one(method, initial, data, epochs))
+            keras.backend.clear_session()
+    baseline = {
+        "accuracy": float(np.mean([r["accuracy"] for r in raw["stl_cls"]])),
+        "iou": float(np.mean([r["iou"] for r in raw["stl_seg"]])),
+    }
+    ew_time = statistics.median(r["step_time_ms"] for r in raw["ew"])
+    rows = {}
+    for method in methods:
+        runs = raw[method]
+        per_seed_dm = [
+            delta_m(r, {"accuracy": c["accuracy"], "iou": s["iou"]})
+            for r, c, s in zip(runs, raw["stl_cls"], raw["stl_seg"])
+        ]
+        step = statistics.median(r["step_time_ms"] for r in runs)
+        family = "loss" if method in LOSS_BASED else "gradient"
+        target = 1.05 if family == "loss" else len(TASKS) + 0.5
+        acc, acc_sd = _mean_std(r["accuracy"] for r in runs)
+        iou, iou_sd = _mean_std(r["iou"] for r in runs)
+        dm, dm_sd = _mean_std(per_seed_dm)
+        rows[method] = {
+            "family": family,
+            "accuracy": acc,
+            "accuracy_std": acc_sd,
+            "iou": iou,
+            "iou_std": iou_sd,
+            "pixel_accuracy": float(np.mean([r["pixel_accuracy"] for r in runs])),
+            "delta_m": dm,
+            "delta_m_std": dm_sd,
+            "step_time_ms": step,
+            "relative_step_time": step / ew_time,
+            "step_time_target": target,
+            "meets_target": bool(step / ew_time <= target),
+            "final_weights": runs[-1]["final_weights"],
+        }
+    elapsed = time.perf_counter() - t0
+    config = {
+        "seeds": list(seeds),
+        "epochs": epochs,
+        "batch_size": 64,
+        "optimizer": "Adam(3e-3)",
+        "train_samples": int(len(data[0])),
+        "test_samples": int(len(data[2])),
+        "quick": quick,
+        "seconds": elapsed,
+        "machine": machine_description(),
+    }
+    markdown = _markdown(rows, baseline, raw, config)
+    result = {
+        "suite": SUITE,
+        "config": config,
+        "baselines": {
+            "stl_accuracy": baseline["accuracy"],
+            "stl_iou": baseline["iou"],
+            "stl_cls_step_time_ms": statistics.median(r["step_time_ms"] for r in raw["stl_cls"]),
+        },
+        "methods": rows,
+        "markdown": markdown,
+    }
+    (out_dir / f"{SUITE}.md").write_text(markdown)
+    (out_dir / f"{SUITE}.json").write_text(json.dumps(result, indent=2))
+    _plot(rows, out_dir / f"{SUITE}.png", config)
+    return result
+
+
+def _markdown(rows, baseline, raw, config):
+    lines = [
+        f"## Multi-task weighting on digits (classify + segment ink), "
+        f"{len(config['seeds'])} seed(s), {config['epochs']} epochs",
+        "",
+        f"STL baselines: accuracy {baseline['accuracy']:.4f}, IoU {baseline['iou']:.4f}. "
+        "Step time: median steady-state step, relative to `ew`; target <= 1.05x (loss-based), "
+        f"<= {len(TASKS) + 0.5}x (gradient-based, T={len(TASKS)}).",
+        "",
+        "| method | family | accuracy | IoU | Δm (%) | step (ms) | × ew | target met |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for method, r in rows.items():
+        lines.append(
+            f"| {method} | {r['family']} | {r['accuracy']:.4f} ± {r['accuracy_std']:.4f} | "
+            f"{r['iou']:.4f} ± {r['iou_std']:.4f} | {r['delta_m']:+.2f} ± {r['delta_m_std']:.2f} "
+            f"| {r['step_time_ms']:.2f} | {r['relative_step_time']:.2f} | "
+            f"{'yes' if r['meets_target'] else 'no'} |"
+        )
+    lines += ["", f"Machine: {config['machine']}. Wall time {config['seconds']:.0f} s.", ""]
+    return "\n".join(lines)
+
+
+def _plot(rows, path, config):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(rows)
+    colors = ["tab:blue" if rows[m]["family"] == "loss" else "tab:orange" for m in names]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    ax1.bar(
+        names,
+        [rows[m]["delta_m"] for m in names],
+        yerr=[rows[m]["delta_m_std"] for m in names],
+        color=colors,
+    )
+    ax1.axhline(0.0, color="black", linewidth=0.8)
+    ax1.set_ylabel("Δm vs single-task (%)")
+    ax1.set_title("Accuracy + IoU, relative to STL")
+    ax1.tick_params(axis="x", rotation=45)
+    for m, c in zip(names, colors):
+        ax2.scatter(rows[m]["relative_step_time"], rows[m]["delta_m"], color=c)
+        ax2.annotate(m, (rows[m]["relative_step_time"], rows[m]["delta_m"]), fontsize=8)
+    ax2.axvline(1.05, color="tab:blue", linestyle=":", linewidth=0.8)
+    ax2.axvline(len(TASKS) + 0.5, color="tab:orange", linestyle=":", linewidth=0.8)
+    ax2.set_xlabel("step time / ew")
+    ax2.set_ylabel("Δm (%)")
+    ax2.set_title(f"{len(config['seeds'])} seed(s), {config['epochs']} epochs")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

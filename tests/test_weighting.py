@@ -1,0 +1,317 @@
+"""Loss weighting inside OptimizedModel's step: equivalence, logs, mid-fit changes, saving."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from keras_fastloop import OptimizedModel, weighting
+from keras_fastloop.weighting import gradient_based as gb
+
+
+def _data(n=8, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 3)).astype("float32")
+    y = {"a": rng.normal(size=(n, 1)).astype("float32"), "b": rng.normal(size=(n, 1)) * 3}
+    return x, y
+
+
+def _layers(kernel_seed=0):
+    init = keras.initializers.GlorotUniform(seed=kernel_seed)
+    trunk = keras.layers.Dense(4, use_bias=False, kernel_initializer=init, name="trunk")
+    a = keras.layers.Dense(1, use_bias=False, kernel_initializer=init, name="a")
+    b = keras.layers.Dense(1, use_bias=False, kernel_initializer=init, name="b")
+    return trunk, a, b
+
+
+def _model(cls=OptimizedModel, counter=None):
+    inputs = keras.Input((3,))
+    trunk, a, b = _layers()
+    h = trunk(inputs)
+    return cls(inputs, {"a": a(h), "b": b(h)})
+
+
+def _counting_mse(counter):
+    def loss(y_true, y_pred):
+        counter.append(1)  # runs once per trace, never per step
+        return keras.losses.mean_squared_error(y_true, y_pred)
+
+    return loss
+
+
+# ------------------------------------------------------------------------------ equivalence
+
+
+def test_static_equals_keras_loss_weights():
+    x, y = _data(32)
+    reference = _model(keras.Model)
+    model = _model()
+    model.set_weights(reference.get_weights())
+    loss_weights = {"a": 0.3, "b": 2.0}
+    losses = {"a": "mse", "b": "mse"}
+    reference.compile(keras.optimizers.SGD(0.05), losses, loss_weights=loss_weights)
+    model.compile(
+        keras.optimizers.SGD(0.05), losses, loss_weights=loss_weights, loss_weighting="static"
+    )
+    reference.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history
+    for w_ref, w in zip(reference.get_weights(), model.get_weights()):
+        np.testing.assert_allclose(w, w_ref, atol=1e-6)
+    assert history["a_weight"][-1] == pytest.approx(0.3)
+    assert history["b_weight"][-1] == pytest.approx(2.0)
+
+
+def _task_grads(model, x, y):
+    """Per-task gradients of the shared trunk and the heads, independent of the step."""
+    variables = model.trainable_variables
+    with tf.GradientTape(persistent=True) as tape:
+        pred = model(x)
+        losses = [keras.losses.MeanSquaredError()(y[k], pred[k]) for k in ("a", "b")]
+    grads = [tape.gradient(loss, variables) for loss in losses]
+    return {
+        v.path: [None if g[k] is None else g[k].numpy() for g in grads]
+        for k, v in enumerate(variables)
+    }
+
+
+@pytest.mark.parametrize("loss_scale", [False, True])
+@pytest.mark.parametrize("method_id", ["mgda", "pcgrad"])
+def test_gradient_based_step_matches_numpy(method_id, loss_scale):
+    x, y = _data(8)
+    model = _model()
+    grads = _task_grads(model, x, y)
+    before = {v.path: v.numpy() for v in model.trainable_variables}
+    optimizer = keras.optimizers.SGD(0.1)
+    if loss_scale:  # mixed-precision glue: results must not depend on the loss scale
+        optimizer = keras.optimizers.LossScaleOptimizer(optimizer, initial_scale=2.0**10)
+    model.compile(optimizer, "mse", loss_weighting=method_id)
+    logs = model.fit(x, y, batch_size=8, epochs=1, verbose=0).history
+
+    trunk = "trunk/kernel"
+    g = np.stack([grads[trunk][0].ravel(), grads[trunk][1].ravel()])
+    m = g @ g.T
+    if method_id == "mgda":
+        a1 = np.clip((m[1, 1] - m[0, 1]) / (m[0, 0] + m[1, 1] - 2 * m[0, 1]), 0, 1)
+        beta = np.array([a1, 1 - a1])
+    else:
+        beta = np.ones(2)
+        if m[0, 1] < 0:
+            beta = np.array([1 - m[0, 1] / m[0, 0], 1 - m[0, 1] / m[1, 1]])
+    expected_trunk = before[trunk] - 0.1 * (beta @ g).reshape(before[trunk].shape)
+    after = {v.path: v.numpy() for v in model.trainable_variables}
+    np.testing.assert_allclose(after[trunk], expected_trunk, rtol=1e-5, atol=1e-6)
+    # heads: plain task gradient (weight 1)
+    np.testing.assert_allclose(
+        after["a/kernel"], before["a/kernel"] - 0.1 * grads["a/kernel"][0], rtol=1e-5, atol=1e-6
+    )
+    np.testing.assert_allclose(
+        after["b/kernel"], before["b/kernel"] - 0.1 * grads["b/kernel"][1], rtol=1e-5, atol=1e-6
+    )
+    # the logged weights are this step's effective weights
+    np.testing.assert_allclose([logs["a_weight"][0], logs["b_weight"][0]], beta, rtol=1e-5)
+    assert model.loss_weighting.shared_variable_paths == [trunk]
+
+
+def test_gradnorm_uses_and_updates_its_weights():
+    x, y = _data(8)
+    model = _model()
+    grads = _task_grads(model, x, y)
+    model.compile(keras.optimizers.SGD(0.0), "mse", loss_weighting=weighting.GradNorm(1.5, 0.1))
+    model.loss_weighting.weights.assign([0.5, 1.5])
+    history = model.fit(x, y, batch_size=8, epochs=1, verbose=0).history
+    assert [history["a_weight"][0], history["b_weight"][0]] == pytest.approx([0.5, 1.5])
+    norms = np.array([np.linalg.norm(grads["trunk/kernel"][i]) for i in range(2)])
+    expected = gb.gradnorm_update(
+        tf.constant([0.5, 1.5]),
+        tf.constant(norms, tf.float32),
+        tf.constant([1.0, 1.0]),
+        tf.constant([1.0, 1.0]),
+        1.5,
+        0.1,
+    )
+    np.testing.assert_allclose(model.loss_weighting.weights.numpy(), expected.numpy(), rtol=1e-5)
+
+
+def test_shared_variables_can_be_given():
+    x, y = _data(8)
+    model = _model()
+    trunk = model.get_layer("trunk")
+    model.compile("sgd", "mse", loss_weighting="mgda", shared_variables=[trunk])
+    model.fit(x, y, verbose=0)
+    assert model.loss_weighting.shared_variable_paths == ["trunk/kernel"]
+
+
+def test_uw_log_variances_are_trained_by_the_model_optimizer():
+    x, y = _data(16)
+    model = _model()
+    model.compile(keras.optimizers.SGD(0.1), "mse", loss_weighting="uw")
+    assert "uw_log_variances" in [v.name for v in model.trainable_variables]
+    model.fit(x, y, batch_size=16, epochs=3, verbose=0)
+    s = model.loss_weighting.log_variances.numpy()
+    assert np.all(s != 0.0)
+    np.testing.assert_allclose(model.loss_weighting.weights.numpy(), np.exp(-s), rtol=1e-6)
+
+
+# ------------------------------------------------------------------------ mid-fit changes
+
+
+class _AssignAt(keras.callbacks.Callback):
+    def __init__(self, epoch, values):
+        super().__init__()
+        self.epoch, self.values = epoch, values
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self._epoch == self.epoch:
+            self.model.loss_weighting.weights.assign(self.values)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+
+
+def test_weights_assigned_mid_fit_take_effect_next_step_without_retrace():
+    x, y = _data(8)
+    traces = []
+    model = _model()
+    model.compile(keras.optimizers.SGD(0.01), _counting_mse(traces), loss_weighting="static")
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)  # one step per epoch
+    traced = len(traces)
+    iterations = int(model.optimizer.iterations)
+    history = model.fit(
+        x, y, batch_size=8, epochs=4, verbose=0, callbacks=[_AssignAt(1, [0.0, 2.0])]
+    ).history
+    assert len(traces) == traced  # no new trace
+    assert int(model.optimizer.iterations) == iterations + 4  # optimizer not reset
+    loss, a, b = (np.array(history[k]) for k in ("loss", "a_loss", "b_loss"))
+    np.testing.assert_allclose(loss[:2], (a + b)[:2], rtol=1e-6)  # epochs 0-1: old weights
+    np.testing.assert_allclose(loss[2:], 2.0 * b[2:], rtol=1e-6)  # from the next step on
+    assert history["a_weight"][2:] == [0.0, 0.0]
+
+
+def test_uw_state_assigned_mid_fit_takes_effect_next_step():
+    x, y = _data(8)
+    model = _model()
+    model.compile(keras.optimizers.SGD(0.0), "mse", loss_weighting="uw")
+
+    class SetLogVariances(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            self.model.loss_weighting.log_variances.assign([np.log(2.0), 0.0])
+
+    history = model.fit(x, y, epochs=2, verbose=0, callbacks=[SetLogVariances()]).history
+    assert history["a_weight"] == pytest.approx([1.0, 0.5])
+
+
+# -------------------------------------------------------------------------- serialization
+
+
+@pytest.mark.parametrize("method", ["loss_ema", "uw", "famo", "pcgrad"])
+def test_save_and_load_restores_the_weighting(tmp_path, method):
+    x, y = _data(16)
+    model = _model()
+    model.compile(keras.optimizers.Adam(0.01), "mse", loss_weighting=method)
+    model.fit(x, y, batch_size=8, epochs=2, verbose=0)
+    path = tmp_path / "m.keras"
+    model.save(path)
+    loaded = keras.saving.load_model(path, safe_mode=True)
+    assert type(loaded.loss_weighting) is type(model.loss_weighting)
+    assert loaded.loss_weighting.get_config() == model.loss_weighting.get_config()
+    np.testing.assert_allclose(
+        loaded.loss_weighting.weights.numpy(), model.loss_weighting.weights.numpy()
+    )
+    if method == "uw":
+        np.testing.assert_allclose(
+            loaded.loss_weighting.log_variances.numpy(),
+            model.loss_weighting.log_variances.numpy(),
+        )
+    if method == "famo":
+        np.testing.assert_allclose(
+            loaded.loss_weighting.logits.numpy(), model.loss_weighting.logits.numpy()
+        )
+    # training continues from the restored state
+    loaded.fit(x, y, batch_size=8, epochs=1, verbose=0)
+
+
+# ----------------------------------------------------------------------------- bad inputs
+
+
+def test_unknown_method_id():
+    with pytest.raises(ValueError, match="Unknown `loss_weighting`"):
+        _model().compile("sgd", "mse", loss_weighting="nashmtl")
+
+
+def test_multi_task_method_on_single_task_model_fails_at_compile():
+    inputs = keras.Input((3,))
+    model = OptimizedModel(inputs, keras.layers.Dense(1)(inputs))
+    for method in ("mgda", "uw", "dwa"):
+        with pytest.raises(ValueError, match="at least two outputs"):
+            model.compile("sgd", "mse", loss_weighting=method)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: weighting.DWA(temperature=0),
+        lambda: weighting.DWA(window=0),
+        lambda: weighting.LossEMA(decay=1.0),
+        lambda: weighting.CAGrad(rescale=3),
+        lambda: weighting.MGDA(gradient_normalization="l1"),
+        lambda: weighting.GradNorm(alpha=-1),
+        lambda: weighting.RLW(seed="x"),
+        lambda: weighting.FAMO(w_lr=0),
+    ],
+)
+def test_bad_arguments_fail_at_construction(make):
+    with pytest.raises(ValueError, match="Received"):
+        make()
+
+
+def test_foreign_shared_variable_fails_at_compile():
+    foreign = keras.Variable(np.zeros(3), name="foreign")
+    model = _model()
+    with pytest.raises(ValueError, match="shared_variables"):
+        model.compile("sgd", "mse", loss_weighting="pcgrad", shared_variables=[foreign])
+    assert len(model.trainable_variables) == 3  # the given list is not adopted by the model
+
+
+def test_no_shared_variable_is_a_clear_error():
+    inputs = keras.Input((3,))
+    a, b = keras.layers.Dense(1, name="a")(inputs), keras.layers.Dense(1, name="b")(inputs)
+    model = OptimizedModel(inputs, {"a": a, "b": b})
+    model.compile("sgd", "mse", loss_weighting="mgda")
+    x, y = _data(8)
+    with pytest.raises(ValueError, match="no trainable variable is reached by more than one"):
+        model.fit(x, y, verbose=0)
+
+
+def test_micro_batching_rejects_gradient_based_methods():
+    with pytest.raises(ValueError, match="micro_batch_size"):
+        _model().compile("sgd", "mse", loss_weighting="cagrad", micro_batch_size=2)
+
+
+# ------------------------------------------------------------------------ every method runs
+
+
+@pytest.mark.parametrize("method_id", weighting.METHODS)
+def test_every_method_trains_and_logs(method_id):
+    x, y = _data(16)
+    model = _model()
+    model.compile(keras.optimizers.SGD(0.05), "mse", loss_weighting=method_id)
+    history = model.fit(x, y, batch_size=8, epochs=2, verbose=0).history
+    for key in ("loss", "a_loss", "b_loss", "a_weight", "b_weight"):
+        assert np.all(np.isfinite(history[key])), key
+    model.evaluate(x, y, verbose=0)
+
+
+@pytest.mark.parametrize("method_id", ["mgda", "cagrad", "pcgrad", "imtl"])
+def test_three_tasks(method_id):
+    inputs = keras.Input((3,))
+    h = keras.layers.Dense(4, name="trunk")(inputs)
+    model = OptimizedModel(inputs, {k: keras.layers.Dense(1, name=k)(h) for k in "abc"})
+    model.compile(keras.optimizers.SGD(0.05), "mse", loss_weighting=method_id)
+    x, y = _data(16)
+    y["c"] = -y["a"]  # conflicts with task a on the shared trunk
+    history = model.fit(x, y, batch_size=16, epochs=2, verbose=0).history
+    weights = [history[f"{k}_weight"][-1] for k in "abc"]
+    assert np.all(np.isfinite(weights))
+    if method_id == "mgda":
+        assert sum(weights) == pytest.approx(1.0, abs=1e-5)
+    assert model.loss_weighting.shared_variable_paths == ["trunk/kernel", "trunk/bias"]
