@@ -1,0 +1,324 @@
+"""steps_per_execution="auto": the tuner on a fake clock, its glue into fit, the recommended setup."""
+
+import itertools
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from keras_fastloop import tuning
+from keras_fastloop.callbacks.periodic_validation import PeriodicValidation
+from keras_fastloop.mixed_precision import HardwareInfo
+from keras_fastloop.model import OptimizedModel
+from keras_fastloop.tuning import StepsPerExecutionTuner
+
+
+def drive(tuner, seconds_for, executions, limit=None):
+    """Runs the tuner for `executions` executions; `seconds_for(k, i)` is the fake clock."""
+    proposals = []
+    for i in range(executions):
+        k = tuner.propose(limit)
+        proposals.append(k)
+        tuner.observe(k, seconds_for(k, i))
+    return proposals
+
+
+# ------------------------------------------------------------------------------ state machine
+
+
+def test_grows_while_it_pays_then_settles_at_the_cap():
+    tuner = StepsPerExecutionTuner(max_steps=16, window=2)
+    # Fixed 10 ms per execution overhead + 1 ms per step: larger k always pays by > 5%.
+    proposals = drive(tuner, lambda k, i: 0.010 + 0.001 * k, 40)
+    assert proposals[: 1 + 2 * 4] == [1, 1, 1, 2, 2, 4, 4, 8, 8]
+    assert tuner.phase == "settled"
+    assert tuner.steps == 16
+    assert max(proposals) == 16
+
+
+def test_settles_on_the_best_when_growth_stops_paying():
+    tuner = StepsPerExecutionTuner(window=1, warmup_executions=0, patience=2)
+    # Throughput improves up to k=4, then flat: 4 is the best; 8 and 16 do not pay.
+    rate = {1: 100.0, 2: 180.0, 4: 300.0, 8: 305.0, 16: 306.0}
+    proposals = drive(tuner, lambda k, i: k / rate[k], 8)
+    assert proposals[:5] == [1, 2, 4, 8, 16]
+    assert tuner.phase == "settled"
+    assert proposals[5:] == [4, 4, 4]
+    assert ("settle", 4, "no gain") in tuner.history
+
+
+def test_falls_back_to_one_when_larger_counts_are_slower():
+    tuner = StepsPerExecutionTuner(window=1, warmup_executions=0)
+    rate = {1: 100.0, 2: 90.0, 4: 80.0}
+    proposals = drive(tuner, lambda k, i: k / rate[k], 6)
+    assert proposals == [1, 2, 4, 1, 1, 1]
+    assert tuner.steps == 1
+
+
+def test_warmup_observation_is_dropped():
+    tuner = StepsPerExecutionTuner(window=1, warmup_executions=1)
+    tuner.observe(1, 100.0)  # tracing: absurdly slow, must not count
+    assert tuner.history == []
+    tuner.observe(1, 0.01)
+    assert tuner.history == [("probing", 1, pytest.approx(100.0))]
+
+
+def test_retunes_when_throughput_drifts():
+    tuner = StepsPerExecutionTuner(max_steps=4, window=1, warmup_executions=0, drift_windows=2)
+    drive(tuner, lambda k, i: 0.01 + 0.001 * k, 6)
+    assert tuner.phase == "settled" and tuner.steps == 4
+    # The machine gets 3x slower: two drifting windows in a row trigger a new probe.
+    drive(tuner, lambda k, i: 3 * (0.01 + 0.001 * k), 2)
+    assert tuner.phase == "probing"
+    assert any(entry[0] == "retune" for entry in tuner.history)
+    assert tuner.steps == 2  # probes again from chosen // growth_factor
+    drive(tuner, lambda k, i: 3 * (0.01 + 0.001 * k), 6)
+    assert tuner.phase == "settled" and tuner.steps == 4
+
+
+def test_no_retune_within_tolerance():
+    tuner = StepsPerExecutionTuner(max_steps=2, window=1, warmup_executions=0)
+    drive(tuner, lambda k, i: 0.01 + 0.001 * k, 4)
+    assert tuner.phase == "settled"
+    drive(tuner, lambda k, i: (1.1 if i % 2 else 0.9) * (0.01 + 0.001 * k), 10)
+    assert tuner.phase == "settled"
+    assert not any(entry[0] == "retune" for entry in tuner.history)
+
+
+def test_bounds_limit_horizon_and_max_steps():
+    tuner = StepsPerExecutionTuner(max_steps=8, window=1, warmup_executions=0)
+    proposals = drive(tuner, lambda k, i: 0.01, 12)  # constant time: every growth pays
+    assert max(proposals) == 8
+    assert tuner.propose(limit=3) == 3
+    tuner.set_horizon(5)
+    assert tuner.propose() == 5
+    assert tuner.propose(limit=2) == 2
+    tuner.set_horizon(None)
+    assert tuner.propose() == 5  # the choice was capped; it is not raised again by itself
+
+
+def test_does_not_grow_past_max_seconds_per_execution():
+    tuner = StepsPerExecutionTuner(window=1, warmup_executions=0, max_seconds_per_execution=0.5)
+    proposals = drive(tuner, lambda k, i: 0.3 * k, 6)  # rate constant; k=2 takes 0.6 s
+    assert max(proposals) <= 2
+    assert tuner.phase == "settled"
+
+
+def test_executions_cut_short_are_not_measurements_and_end_the_probe():
+    tuner = StepsPerExecutionTuner(window=1, warmup_executions=0)
+    drive(tuner, lambda k, i: 0.01, 2)  # k=1 then k=2 pay
+    assert tuner.steps == 4
+    drive(tuner, lambda k, i: 0.01, 4, limit=3)  # 4 never runs in full
+    assert tuner.phase == "settled"
+    assert tuner.steps == 2
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"initial": 0},
+        {"max_steps": 0},
+        {"initial": 4, "max_steps": 2},
+        {"growth_factor": 1},
+        {"window": 0},
+        {"min_gain": -1},
+        {"drift_tolerance": 0},
+        {"max_seconds_per_execution": 0},
+    ],
+)
+def test_tuner_rejects_bad_arguments(kwargs):
+    with pytest.raises(ValueError, match="Received"):
+        StepsPerExecutionTuner(**kwargs)
+
+
+def test_steps_until_next_event():
+    class Every(keras.callbacks.Callback):
+        def __init__(self, n):
+            super().__init__()
+            self.every_n_steps = n
+
+    class Custom(keras.callbacks.Callback):
+        def steps_until_next_event(self, step):
+            return 3
+
+    assert tuning.steps_until_next_event([Every(10)], 23) == 7
+    assert tuning.steps_until_next_event([Every(10)], 20) == 10
+    assert tuning.steps_until_next_event([Every(10), Custom()], 20) == 3
+    assert tuning.steps_until_next_event([keras.callbacks.History()], 5) is None
+
+
+# ------------------------------------------------------------------------------ compile / fit
+
+
+def _model(seed=0):
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((8,))
+    h = keras.layers.Dense(16, activation="relu")(inputs)
+    return OptimizedModel(inputs, keras.layers.Dense(3, activation="softmax")(h))
+
+
+def _data(n=200, seed=1):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 8)).astype("float32")
+    y = rng.integers(0, 3, size=n).astype("int32")
+    return x, y
+
+
+def _dataset(x, y, batch_size=8):
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(batch_size)
+
+
+@pytest.mark.parametrize("value", [0, -1, 2.5, True, "fast", None])
+def test_compile_rejects_bad_steps_per_execution(value):
+    with pytest.raises(ValueError, match="steps_per_execution"):
+        _model().compile("sgd", "sparse_categorical_crossentropy", steps_per_execution=value)
+
+
+def test_compile_accepts_auto_and_keeps_it_in_the_config():
+    model = _model()
+    model.compile("sgd", "sparse_categorical_crossentropy", steps_per_execution="auto")
+    assert model.steps_per_execution == 1  # what Keras' own loop sees
+    assert model.get_compile_config()["steps_per_execution"] == "auto"
+
+
+class _FakeClock:
+    """Each call advances 10 ms: every execution 'takes' 10 ms, so larger k always pays."""
+
+    def __init__(self):
+        self.counter = itertools.count()
+
+    def __call__(self):
+        return 0.01 * next(self.counter)
+
+
+def _auto_model(tuner):
+    model = _model()
+    model.compile(
+        keras.optimizers.SGD(0.05),
+        "sparse_categorical_crossentropy",
+        steps_per_execution="auto",
+    )
+    state = model._fastloop_auto_spe
+    state.tuner = tuner
+    state.clock = _FakeClock()
+    return model, state
+
+
+def test_periodic_validation_fires_at_exact_steps_with_auto():
+    x, y = _data(200)  # 25 batches per epoch
+    x_val, y_val = _data(32, seed=2)
+    model, state = _auto_model(StepsPerExecutionTuner(window=1))
+    validation = PeriodicValidation((x_val, y_val), every_n_steps=7)
+    model.fit(_dataset(x, y), epochs=3, callbacks=[validation], verbose=0)
+    steps = [entry["step"] for entry in validation.history]
+    assert steps == list(range(7, 75 + 1, 7))
+    sizes = [k for _, k in state.executions]
+    assert max(sizes) > 1  # the tuner did group steps
+    assert sum(sizes) == 75  # every batch ran once
+    done = 0  # optimizer steps before the execution
+    for begin, k in state.executions:  # no execution crosses a multiple of 7 or an epoch end
+        assert begin + k <= 25
+        assert not any(m % 7 == 0 for m in range(done + 1, done + k))
+        done += k
+
+
+def test_auto_trains_exactly_like_one_step_per_execution():
+    x, y = _data(200)
+    reference = _model()
+    reference.compile(keras.optimizers.SGD(0.05), "sparse_categorical_crossentropy")
+    history_1 = reference.fit(_dataset(x, y), epochs=2, verbose=0).history
+    model, state = _auto_model(StepsPerExecutionTuner(window=1))
+    history_auto = model.fit(_dataset(x, y), epochs=2, verbose=0).history
+    assert max(k for _, k in state.executions) > 1
+    np.testing.assert_allclose(history_auto["loss"], history_1["loss"], rtol=1e-5)
+    for a, b in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_batch_callbacks_see_exact_batch_indices():
+    x, y = _data(200)
+    seen = []
+
+    class Record(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            seen.append(batch)
+
+    model, state = _auto_model(StepsPerExecutionTuner(window=1))
+    model.fit(_dataset(x, y), epochs=1, callbacks=[Record()], verbose=0)
+    ends = list(itertools.accumulate(k for _, k in state.executions))
+    assert seen == [e - 1 for e in ends]
+    assert seen[-1] == 24
+
+
+def test_train_on_batch_still_works_under_auto():
+    x, y = _data(16)
+    model, _ = _auto_model(StepsPerExecutionTuner())
+    logs = model.train_on_batch(x, y, return_dict=True)
+    assert np.isfinite(logs["loss"])
+
+
+def test_keras_internals_used_by_auto_exist():
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer, reduce_per_replica
+    from keras.src.trainers.epoch_iterator import EpochIterator
+
+    assert callable(reduce_per_replica)
+    assert hasattr(EpochIterator, "_enumerate_iterator")
+    assert hasattr(TensorFlowTrainer, "_autoconvert_optionals")
+
+
+# ------------------------------------------------------------------------------ recommended setup
+
+
+def _model_fn():
+    inputs = keras.Input((8,))
+    outputs = keras.layers.Dense(3, activation="softmax", dtype="float32")(
+        keras.layers.Dense(8)(inputs)
+    )
+    model = keras.Model(inputs, outputs)
+    model.compile("sgd", "sparse_categorical_crossentropy")
+    return model
+
+
+@pytest.fixture
+def restore_policy():
+    yield
+    keras.config.set_dtype_policy("float32")
+
+
+def _script(*values):
+    values = iter(values)
+    return lambda: next(values)
+
+
+def test_recommended_setup_keeps_float32_when_mixed_is_slower(restore_policy):
+    bf16_cpu = HardwareInfo(cpu_flags=frozenset({"avx512_bf16"}))
+    # Timer called twice per candidate, float32 first: float32 1 s, mixed 2 s.
+    setup = tuning.recommended_setup(
+        _model_fn, _data(16), hardware=bf16_cpu, steps=1, timer=_script(0.0, 1.0, 0.0, 2.0)
+    )
+    assert setup.policy == "float32"
+    assert keras.config.dtype_policy().name == "float32"
+    assert setup.compile_kwargs == {"steps_per_execution": "auto"}
+
+
+def test_recommended_setup_takes_mixed_when_it_pays(restore_policy):
+    bf16_cpu = HardwareInfo(cpu_flags=frozenset({"avx512_bf16"}))
+    setup = tuning.recommended_setup(
+        _model_fn, _data(16), hardware=bf16_cpu, steps=1, timer=_script(0.0, 2.0, 0.0, 1.0)
+    )
+    assert setup.policy == "mixed_bfloat16"
+    assert keras.config.dtype_policy().name == "mixed_bfloat16"
+
+
+def test_recommended_setup_needs_model_fn_and_data_together(restore_policy):
+    with pytest.raises(ValueError, match="Received"):
+        tuning.recommended_setup(_model_fn)
+
+
+def test_pipeline_keeps_order_and_rejects_non_datasets():
+    ds = tf.data.Dataset.range(10).batch(3)
+    got = [b.numpy().tolist() for b in tuning.optimize_pipeline(ds)]
+    assert got == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]
+    with pytest.raises(TypeError, match="Received"):
+        tuning.optimize_pipeline([1, 2, 3])
