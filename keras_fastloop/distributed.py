@@ -1,30 +1,87 @@
-"""Cross-replica helpers for the step under ``tf.distribute``.
+"""Cross-replica helpers for OptimizedModel's step, and every fix it needs under ``tf.distribute``.
 
-Keras' optimizer sums gradients across replicas inside ``apply()``, *after* its own clipping, so
-``global_clipnorm`` acts on each replica's share (tensorflow#33929). OptimizedModel instead sums
-the gradients once itself, takes the finite check and clipping on that sum, and then lets the
-optimizer apply it without summing again. The only Keras internal this needs is the optimizer's
-``_all_reduce_sum_gradients`` hook, replaced on the optimizer *instance* while the step is
-traced (never globally); ``tests/test_keras_internals.py`` pins it.
+**Aggregation once, decisions on the aggregate.** Keras' optimizer sums gradients across replicas
+inside ``apply()``, *after* its own clipping, so ``global_clipnorm`` acts on each replica's share
+(tensorflow#33929; case C10). OptimizedModel instead sums the gradients once itself
+(:func:`all_reduce_sum`), takes the finite check and clipping on that sum, and lets the optimizer
+apply it without summing again (:func:`gradients_already_reduced`). Every replica then holds the
+same gradient, so every decision taken from it (skip or apply, clip factor, weighting state) is
+the same on every replica.
+
+**Conditionals with synchronisation points.** ``MirroredStrategy`` and
+``MultiWorkerMirroredStrategy`` synchronise replicas with ``merge_call`` (optimizer updates,
+assignments to mirrored variables, all-reduces), which is not allowed inside a ``tf.cond`` traced
+in replica context. :func:`cond` is a replica-context ``cond`` whose branches may synchronise: it
+enters cross-replica context, takes the (identical) predicate of the first local replica and runs
+the chosen branch on every replica (the pattern of Keras' own ``LossScaleOptimizer``).
+
+**MultiWorkerMirroredStrategy** (keras-team/keras#20585). ``keras.Model.fit`` fails there with
+Keras 3 in two places, both corrected on the model instance (never by patching Keras globally):
+
+1. ``Trainer._maybe_symbolic_build`` reduces the first batch across workers with
+   ``strategy.reduce("MEAN", batch, axis=None)`` only to learn its shapes; under
+   ``MultiWorkerMirroredStrategy`` with one device per worker the batch is a plain tensor on some
+   paths and a ``PerReplica`` on others, and the reduction fails ("Attempt to convert a value
+   (PerReplica...)") or issues a needless collective. :func:`first_local_batch` takes the first
+   local replica's batch instead: shapes and dtypes are all the build needs.
+2. The trainer's ``reduce_per_replica`` reduces every step output with
+   ``strategy.reduce("MEAN", v, axis=0)`` under ``MultiWorkerMirroredStrategy``, which fails for
+   scalar outputs (a scalar has no axis 0) and averages non-scalar ones over their own first axis.
+   :func:`pack_step_outputs` gives the trainer one float32 tensor of shape ``(1, K)`` instead
+   (every output flattened and concatenated), so its reduction is one collective that averages
+   over replicas only, and :func:`unpack_step_outputs` restores the logs' structure.
+
+The Keras internals these rely on, all named here and pinned by ``tests/test_keras_internals.py``:
+``TFOptimizer._all_reduce_sum_gradients(grads_and_vars)`` (overridden per optimizer instance
+while the step is traced), ``TensorFlowTrainer._make_function(step_function)`` (returns the
+callable ``train_function(iterator)``; wrapped, not copied), ``Trainer._maybe_symbolic_build(
+iterator=None, data_batch=None)`` and ``Trainer._symbolic_build(iterator=None,
+data_batch=None)``, and the MEAN-with-``axis=0`` reduction of ``reduce_per_replica`` under
+``MultiWorkerMirroredStrategy``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import tensorflow as tf
 
+_PATCH_LOCK = threading.Lock()
+_DEPTH_ATTR = "_fastloop_reduced_depth"
+_HOOK = "_all_reduce_sum_gradients"
+
 
 def num_replicas() -> int:
-    """Number of replicas in sync of the current strategy (1 outside any strategy)."""
+    """Number of replicas in sync of the current strategy.
+
+    Returns:
+        An int, 1 outside any strategy.
+
+    Example:
+        >>> num_replicas()
+        1
+    """
     return tf.distribute.get_strategy().num_replicas_in_sync
 
 
 def all_reduce_sum(grads):
-    """Sum a list of per-replica gradients across replicas (identity with one replica).
+    """Sum a list of per-replica tensors across replicas (identity with one replica).
 
-    Must be called in replica context (inside ``train_step``). One batched all-reduce, the same
-    number Keras' optimizer issues.
+    Args:
+        grads: a list of tensors (gradients, losses), one value per replica.
+
+    Returns:
+        A list of tensors, each the sum over all replicas, identical on every replica. One batched
+        all-reduce: the same number Keras' optimizer issues for gradients.
+
+    Raises:
+        RuntimeError: from TensorFlow when called in cross-replica context of a strategy with
+            more than one replica.
+
+    Example:
+        >>> all_reduce_sum([tf.constant(1.0)])  # outside any strategy: unchanged
+        [<tf.Tensor: shape=(), dtype=float32, numpy=1.0>]
     """
     ctx = tf.distribute.get_replica_context()
     if ctx is None or ctx.num_replicas_in_sync == 1:
@@ -32,19 +89,257 @@ def all_reduce_sum(grads):
     return ctx.all_reduce(tf.distribute.ReduceOp.SUM, list(grads))
 
 
+def _needs_merge_call():
+    """Whether synchronisation in replica context goes through ``merge_call`` (not in a cond)."""
+    if not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context():
+        return False
+    return not tf.__internal__.distribute.strategy_supports_no_merge_call()
+
+
+def cond(pred, true_fn, false_fn=None, args=()):
+    """``ops.cond`` in replica context whose branches may hold synchronisation points.
+
+    Under a strategy that synchronises with ``merge_call`` (``MirroredStrategy``,
+    ``MultiWorkerMirroredStrategy``), enters cross-replica context, takes ``pred`` from the
+    first local replica and calls the chosen branch on every replica with that replica's
+    ``args``. Elsewhere it is a plain ``tf.cond``.
+
+    Args:
+        pred: scalar boolean tensor, **identical on every replica** (e.g. computed from
+            all-reduced values).
+        true_fn: callable ``true_fn(*args)``, run when ``pred`` is true. Its return value is
+            ignored (use it for side effects: optimizer updates, variable assignments).
+        false_fn: callable ``false_fn(*args)`` or ``None`` (default: do nothing).
+        args: tuple of per-replica tensors (or nests) passed to the branch. Every replica-local
+            tensor a branch uses must come through ``args``, never a closure: only one replica's
+            closure survives ``merge_call``.
+
+    Returns:
+        ``None``.
+
+    Example:
+        >>> finite = tf.constant(True)
+        >>> cond(finite, lambda g: optimizer.apply(g, variables), args=(grads,))  # doctest: +SKIP
+    """
+    false_fn = false_fn or (lambda *a: None)
+
+    def branch(fn):
+        def run(*a):
+            fn(*a)
+            return tf.constant(0)
+
+        return run
+
+    if not _needs_merge_call():
+        tf.cond(pred, lambda: branch(true_fn)(*args), lambda: branch(false_fn)(*args))
+        return None
+
+    def merge_fn(strategy, pred, *args):
+        first = strategy.experimental_local_results(pred)[0]
+
+        def call(fn):
+            def run():
+                strategy.extended.call_for_each_replica(fn, args=args)
+                return tf.constant(0)
+
+            return run
+
+        tf.cond(first, call(true_fn), call(false_fn))
+
+    tf.distribute.get_replica_context().merge_call(merge_fn, args=(pred, *args))
+    return None
+
+
 @contextlib.contextmanager
 def gradients_already_reduced(optimizer):
     """While active, ``optimizer`` applies gradients as given, without its cross-replica sum.
 
+    Replaces Keras' ``TFOptimizer._all_reduce_sum_gradients`` on the optimizer *instance* (a
+    ``LossScaleOptimizer`` is unwrapped to its inner optimizer) for the duration of the trace.
+    Re-entrant and safe for the replica threads of ``MirroredStrategy``, which enter and leave it
+    interleaved: the hook is installed by the first to enter and removed by the last to leave.
+
     Args:
-        optimizer: a Keras optimizer (a ``LossScaleOptimizer`` is unwrapped to its inner one).
+        optimizer: a Keras optimizer.
+
+    Returns:
+        A context manager.
+
+    Raises:
+        RuntimeError: if the Keras optimizer has no ``_all_reduce_sum_gradients`` hook while
+            training with more than one replica (a Keras upgrade changed it; applying as-is
+            would sum the gradients twice).
+
+    Example:
+        >>> with gradients_already_reduced(optimizer):  # doctest: +SKIP
+        ...     optimizer.apply(summed_grads, variables)
     """
     inner = getattr(optimizer, "inner_optimizer", optimizer)
-    if num_replicas() == 1 or not hasattr(inner, "_all_reduce_sum_gradients"):
+    if num_replicas() == 1 and not tf.distribute.has_strategy():
         yield
         return
-    inner._all_reduce_sum_gradients = lambda grads_and_vars: list(grads_and_vars)
+    if not callable(getattr(type(inner), _HOOK, None)):
+        raise RuntimeError(
+            "keras_fastloop needs the Keras optimizer hook `_all_reduce_sum_gradients` to apply "
+            "gradients it has already summed across replicas; this Keras version does not have "
+            f"it. Received: optimizer={type(inner).__name__}"
+        )
+    with _PATCH_LOCK:
+        depth = inner.__dict__.get(_DEPTH_ATTR, 0)
+        if depth == 0:
+            object.__setattr__(inner, _HOOK, lambda grads_and_vars: list(grads_and_vars))
+        object.__setattr__(inner, _DEPTH_ATTR, depth + 1)
     try:
         yield
     finally:
-        del inner._all_reduce_sum_gradients
+        with _PATCH_LOCK:
+            depth = inner.__dict__[_DEPTH_ATTR] - 1
+            object.__setattr__(inner, _DEPTH_ATTR, depth)
+            if depth == 0:
+                object.__delattr__(inner, _HOOK)
+                object.__delattr__(inner, _DEPTH_ATTR)
+
+
+# ------------------------------------------------------------------ MultiWorkerMirroredStrategy
+
+
+def is_multi_worker(strategy) -> bool:
+    """Whether ``strategy`` is a ``MultiWorkerMirroredStrategy`` (whose step outputs Keras mis-reduces).
+
+    Args:
+        strategy: a ``tf.distribute.Strategy``.
+
+    Returns:
+        A bool.
+
+    Example:
+        >>> is_multi_worker(tf.distribute.get_strategy())
+        False
+    """
+    return isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
+
+
+def first_local_batch(strategy, batch):
+    """The first local replica's part of a distributed batch (plain tensors pass through).
+
+    Args:
+        strategy: the ``tf.distribute.Strategy`` that distributed ``batch``.
+        batch: a nest of tensors and ``tf.distribute.DistributedValues``.
+
+    Returns:
+        The same nest with every distributed value replaced by its first local component.
+
+    Example:
+        >>> first_local_batch(tf.distribute.get_strategy(), (tf.ones((2, 3)),))[0].shape
+        TensorShape([2, 3])
+    """
+
+    def first(value):
+        if isinstance(value, tf.distribute.DistributedValues):
+            return strategy.experimental_local_results(value)[0]
+        return value
+
+    return tf.nest.map_structure(first, batch)
+
+
+def maybe_symbolic_build(model, keras_maybe_symbolic_build, iterator=None, data_batch=None):
+    """``Trainer._maybe_symbolic_build`` that works under ``MultiWorkerMirroredStrategy``.
+
+    Keras reduces the first batch across replicas (``strategy.reduce("MEAN", batch)``) only to
+    learn its shapes; under ``MultiWorkerMirroredStrategy`` that fails ("Attempt to convert a
+    value (PerReplica...)", keras-team/keras#20585). Here the first local replica's batch is used
+    instead. Other strategies keep Keras' own method.
+
+    Args:
+        model: the Keras model being trained.
+        keras_maybe_symbolic_build: Keras' bound method (``super()._maybe_symbolic_build``).
+        iterator: Keras' epoch iterator, or ``None``.
+        data_batch: a batch, or ``None``.
+
+    Returns:
+        ``None``.
+
+    Example:
+        >>> # in OptimizedModel: distributed.maybe_symbolic_build(self, super()._maybe_symbolic_build, ...)
+    """
+    strategy = model.distribute_strategy
+    if model._distribute_strategy is None or not is_multi_worker(strategy):
+        return keras_maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
+    if iterator is not None:
+        for _, _, it in iterator:
+            data_batch = first_local_batch(strategy, next(it))
+            break
+    with strategy.scope():
+        model._symbolic_build(data_batch=data_batch)
+    return None
+
+
+class _OutputPacker:
+    """Packs a step's outputs into one ``(1, K)`` float64 tensor and back (trace-time spec)."""
+
+    def __init__(self):
+        self.structure = None
+        self.specs = None
+
+    def pack(self, outputs):
+        flat = tf.nest.flatten(outputs)
+        specs = []
+        for t in flat:
+            t = tf.convert_to_tensor(t)
+            if not t.shape.is_fully_defined():
+                raise ValueError(
+                    "Under MultiWorkerMirroredStrategy every output of the step must have a "
+                    f"static shape. Received: an output of shape {t.shape}"
+                )
+            specs.append((t.shape, t.dtype))
+        self.structure = outputs
+        self.specs = specs
+        parts = [tf.reshape(tf.cast(t, tf.float64), [-1]) for t in flat]
+        packed = tf.concat(parts, axis=0) if parts else tf.zeros([0], tf.float64)
+        return packed[None, :]
+
+    def unpack(self, packed):
+        packed = tf.reshape(packed, [-1])
+        values, start = [], 0
+        for shape, dtype in self.specs:
+            size = shape.num_elements()
+            values.append(tf.cast(tf.reshape(packed[start : start + size], shape), dtype))
+            start += size
+        return tf.nest.pack_sequence_as(self.structure, values)
+
+
+def make_function(model, keras_make_function, step_function):
+    """``TensorFlowTrainer._make_function`` whose outputs survive ``MultiWorkerMirroredStrategy``.
+
+    Keras reduces every step output with ``strategy.reduce("MEAN", v, axis=0)`` under
+    ``MultiWorkerMirroredStrategy``: scalar outputs fail (no axis 0), other outputs would be
+    averaged over their own first axis, and every output costs a collective. Here the step
+    returns all its outputs packed into one ``(1, K)`` tensor, which Keras' reduction averages
+    over replicas in one collective, and the function Keras builds is wrapped to unpack them.
+    Other strategies keep Keras' function unchanged.
+
+    Args:
+        model: the Keras model.
+        keras_make_function: Keras' bound ``super()._make_function``.
+        step_function: ``model.train_step`` or ``model.test_step``.
+
+    Returns:
+        The callable ``function(iterator) -> logs`` that Keras stores as ``train_function`` /
+        ``test_function``.
+
+    Example:
+        >>> # in OptimizedModel: distributed.make_function(self, super()._make_function, step)
+    """
+    if not is_multi_worker(model.distribute_strategy):
+        return keras_make_function(step_function)
+    packer = _OutputPacker()
+
+    def packed_step(data):
+        return packer.pack(step_function(data))
+
+    function = keras_make_function(packed_step)
+
+    def unpacked(iterator):
+        return packer.unpack(function(iterator))
+
+    return unpacked

@@ -304,7 +304,7 @@ class OptimizedModel(keras.Model):
         if self._micro_batch_size:
             weights = logs.pop("_weights")
             losses = logs.pop("_losses")
-        ops.cond(finite, lambda: self._loss_weighting.update(losses), lambda: None)
+        distributed.cond(finite, self._loss_weighting.update, args=(list(losses),))
         return self._step_logs(logs, grad_norm, weights, finite)
 
     def _apply(self, grads, variables, finite, scale):
@@ -318,7 +318,7 @@ class OptimizedModel(keras.Model):
                 optimizer.apply(scaling.rescale(grads, scale), variables)
             else:
                 grads = scaling.rescale(grads, scale)
-                ops.cond(finite, lambda: optimizer.apply(grads, variables), lambda: None)
+                distributed.cond(finite, lambda g: optimizer.apply(g, variables), args=(grads,))
         self._fastloop_state.skipped_steps.assign_add(ops.cast(ops.logical_not(finite), "int64"))
 
     def _update_metrics(self, x, y, y_pred, sample_weight, losses, total):
@@ -344,6 +344,18 @@ class OptimizedModel(keras.Model):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         y_pred, losses, total, _ = self._forward_losses(x, y, sample_weight, training=False)
         return self._update_metrics(x, y, y_pred, sample_weight, losses, total)
+
+    # --------------------------------------------------------------------------- distribution
+
+    def _make_function(self, step_function):
+        # Step outputs survive MultiWorkerMirroredStrategy's reduction (keras#20585).
+        return distributed.make_function(self, super()._make_function, step_function)
+
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        # The first build works under MultiWorkerMirroredStrategy (keras#20585).
+        return distributed.maybe_symbolic_build(
+            self, super()._maybe_symbolic_build, iterator=iterator, data_batch=data_batch
+        )
 
     # -------------------------------------------------------------------------- serialization
 

@@ -1,0 +1,84 @@
+"""Keras/TensorFlow internals keras_fastloop relies on: fail loudly if an upgrade changes them.
+
+Each block names the module of keras_fastloop that uses the internal.
+"""
+
+import inspect
+
+import keras
+import tensorflow as tf
+
+# ------------------------------------------------------------- keras_fastloop/distributed.py
+
+
+def _tf_optimizer_class():
+    from keras.src.backend.tensorflow.optimizer import TFOptimizer
+
+    return TFOptimizer
+
+
+def test_optimizer_all_reduce_hook_exists_and_is_the_only_gradient_sum():
+    """``gradients_already_reduced`` replaces this hook on the optimizer instance."""
+    cls = _tf_optimizer_class()
+    assert isinstance(keras.optimizers.SGD(), cls)
+    hook = cls._all_reduce_sum_gradients
+    assert list(inspect.signature(hook).parameters) == ["self", "grads_and_vars"]
+    update = inspect.getsource(cls._backend_update_step)
+    assert "self._all_reduce_sum_gradients(grads_and_vars)" in update
+    # The hook is looked up on the instance (an attribute set there wins).
+    opt = keras.optimizers.SGD()
+    object.__setattr__(opt, "_all_reduce_sum_gradients", lambda gv: "patched")
+    assert opt._all_reduce_sum_gradients([]) == "patched"
+    object.__delattr__(opt, "_all_reduce_sum_gradients")
+    assert opt._all_reduce_sum_gradients.__func__ is hook
+
+
+def test_loss_scale_optimizer_applies_through_its_inner_optimizer():
+    """The hook is replaced on ``inner_optimizer``; LSO must still delegate to it."""
+    lso = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD())
+    assert isinstance(lso.inner_optimizer, _tf_optimizer_class())
+    source = inspect.getsource(type(lso)._stateful_handle_finite_grads)
+    assert "self.inner_optimizer.apply(" in source
+
+
+def test_trainer_make_function_and_symbolic_build_signatures():
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+    from keras.src.trainers.trainer import Trainer
+
+    assert list(inspect.signature(TensorFlowTrainer._make_function).parameters) == [
+        "self",
+        "step_function",
+    ]
+    for name in ("make_train_function", "make_test_function"):
+        assert "self._make_function(" in inspect.getsource(getattr(TensorFlowTrainer, name))
+    params = list(inspect.signature(TensorFlowTrainer._maybe_symbolic_build).parameters)
+    assert params == ["self", "iterator", "data_batch"]
+    assert list(inspect.signature(Trainer._symbolic_build).parameters)[:3] == [
+        "self",
+        "iterator",
+        "data_batch",
+    ]
+    fit = inspect.getsource(TensorFlowTrainer.fit)
+    assert "self._maybe_symbolic_build(iterator=" in fit
+
+
+def test_multi_worker_reduction_of_step_outputs_is_mean_over_axis_0():
+    """``make_function`` packs outputs as ``(1, K)`` because Keras reduces them this way."""
+    from keras.src.backend.tensorflow import trainer
+
+    source = inspect.getsource(trainer.reduce_per_replica)
+    assert 'strategy.reduce("MEAN", v, axis=0)' in source
+    assert "MultiWorkerMirroredStrategy" in inspect.getsource(
+        trainer._collective_all_reduce_multi_worker
+    )
+    # Outside multi-worker mode a plain tensor passes through unchanged (packing still works).
+    out = trainer.reduce_per_replica(tf.ones((1, 3)), tf.distribute.get_strategy(), "auto")
+    assert out.shape == (1, 3)
+
+
+def test_merge_call_helpers_exist():
+    """``distributed.cond`` uses these to run branches with synchronisation points."""
+    assert callable(tf.__internal__.distribute.strategy_supports_no_merge_call)
+    strategy = tf.distribute.get_strategy()
+    assert hasattr(strategy.extended, "call_for_each_replica")
+    assert hasattr(tf.distribute.get_replica_context(), "merge_call")
