@@ -19,7 +19,7 @@ from keras import ops
 
 from keras_fastloop import _keras_internals as internals
 from keras_fastloop import clipping as clipping_module
-from keras_fastloop import distributed, scaling
+from keras_fastloop import distributed, scaling, tuning
 from keras_fastloop import micro_batching as micro_batching_module
 from keras_fastloop import weighting as weighting_module
 from keras_fastloop.losses import TaskLosses
@@ -127,6 +127,9 @@ class OptimizedModel(keras.Model):
             optimizer, loss, loss_weights, metrics, weighted_metrics, run_eagerly,
             steps_per_execution, jit_compile, auto_scale_loss: as ``keras.Model.compile``. Under
                 a ``mixed_float16`` policy the optimizer becomes a ``LossScaleOptimizer``.
+                ``steps_per_execution`` may also be ``"auto"``: tuned while ``fit`` runs, never
+                past a step-gated callback's next event or the epoch end
+                (:mod:`keras_fastloop.tuning`).
             gradient_clipping: ``None`` (default), a positive float (global-norm threshold) or a
                 ``keras_fastloop.clipping`` object. Applied once, to the unscaled gradient summed
                 across replicas.
@@ -144,7 +147,8 @@ class OptimizedModel(keras.Model):
                 training cleanly, like ``TerminateOnNaN``).
 
         Raises:
-            ValueError: clipping set both here and on the optimizer; a non-positive
+            ValueError: ``steps_per_execution`` neither ``"auto"`` nor a positive int;
+                clipping set both here and on the optimizer; a non-positive
                 ``micro_batch_size``; an unknown ``nonfinite`` policy or weighting id; loss or
                 loss weights that do not match the outputs; weighting with a single task.
             TypeError: an argument of the wrong kind.
@@ -167,13 +171,17 @@ class OptimizedModel(keras.Model):
         if loss is None:
             raise ValueError("OptimizedModel needs a `loss` in `compile()`. Received: loss=None")
 
+        # "auto": Keras runs 1 step per slot; tuning.py groups slots into executions.
+        keras_steps_per_execution, auto_spe = tuning.resolve_steps_per_execution(
+            steps_per_execution
+        )
         super().compile(
             optimizer=optimizer,
             loss=None,
             metrics=metrics,
             weighted_metrics=weighted_metrics,
             run_eagerly=run_eagerly,
-            steps_per_execution=steps_per_execution,
+            steps_per_execution=keras_steps_per_execution,
             jit_compile=jit_compile,
             auto_scale_loss=auto_scale_loss,
         )
@@ -187,6 +195,7 @@ class OptimizedModel(keras.Model):
         self._micro_batch_size = micro_batch_size
         self._nonfinite = nonfinite
         self._warned_unconnected = False
+        object.__setattr__(self, "_fastloop_auto_spe", auto_spe)  # untracked runtime state
         # The step's state is built here, under the caller's distribution strategy scope.
         state = StepState()
         object.__setattr__(self, "_fastloop_state", state)  # untracked: not in model.weights
@@ -352,10 +361,21 @@ class OptimizedModel(keras.Model):
         return distributed.make_function(self, super()._make_function, step_function)
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        tuning.capture_epoch_iterator(self, iterator)  # steps_per_execution="auto"
         # The first build works under MultiWorkerMirroredStrategy (keras#20585).
         return distributed.maybe_symbolic_build(
             self, super()._maybe_symbolic_build, iterator=iterator, data_batch=data_batch
         )
+
+    # ---------------------------------------------------------------------------- training
+
+    def fit(self, *args, **kwargs):
+        """``keras.Model.fit``, with ``steps_per_execution="auto"`` in effect (tuning.py)."""
+        return tuning.fit(self, super().fit, *args, **kwargs)
+
+    def make_train_function(self, force=False):
+        # steps_per_execution="auto": one trace serves every step count (see tuning.py).
+        return tuning.make_train_function(self, super().make_train_function, force)
 
     # -------------------------------------------------------------------------- serialization
 
