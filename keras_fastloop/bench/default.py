@@ -16,13 +16,15 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_fastloop.bench import harness
+from keras_fastloop import mixed_precision, tuning
+from keras_fastloop.bench import flops, harness
 from keras_fastloop.data.digits import load_digits_data
 from keras_fastloop.model import OptimizedModel
 
 BATCH_SIZE = 64
 LEARNING_RATE = 1e-3
 BASELINE = "keras.Model.fit (per-epoch validation)"
+RECOMMENDED = "OptimizedModel, recommended setup"
 
 # The seed's claims (NOTES.md), printed next to what we measure.
 SEED_CLAIM = (
@@ -155,7 +157,57 @@ def loop_contender(data, compiled):
     return train
 
 
-def contenders(data):
+def confirm_recommended_policy(data, steps=10):
+    """Times the recommended mixed policy against float32 on this CNN once (a user does it once
+    per machine and model); restores float32 globally. Returns ``(PolicyChoice, seconds)``."""
+
+    def model_fn():
+        model = build_cnn()
+        model.compile(keras.optimizers.Adam(LEARNING_RATE), "sparse_categorical_crossentropy")
+        return model
+
+    t0 = time.perf_counter()
+    try:
+        setup = tuning.recommended_setup(
+            model_fn, (data.x[:BATCH_SIZE], data.y[:BATCH_SIZE]), steps=steps
+        )
+    finally:
+        keras.config.set_dtype_policy("float32")
+    return setup.policy_choice, time.perf_counter() - t0
+
+
+def recommended_contender(data, policy=None):
+    """OptimizedModel with ``tuning.recommended_setup``: the policy (confirmed by timing before
+    the rounds, else the hardware rule), ``steps_per_execution="auto"``, ``optimize_pipeline``."""
+
+    def train(run):
+        chosen = policy or mixed_precision.recommended_policy()
+        try:
+            keras.config.set_dtype_policy(chosen)
+            setup = tuning.RecommendedSetup(policy=chosen, policy_choice=None)
+            model = build_cnn(OptimizedModel)
+            model.set_weights(run.initial_weights)
+            model.compile(
+                keras.optimizers.Adam(LEARNING_RATE),
+                "sparse_categorical_crossentropy",
+                metrics=["accuracy"],
+                **setup.compile_kwargs,
+            )
+            model.fit(
+                setup.pipeline(data.train()),
+                epochs=run.epochs,
+                validation_data=data.val(),
+                callbacks=[EpochTimer(run, len(data.x))],
+                verbose=0,
+            )
+            run.finish(model.evaluate(data.val(), verbose=0, return_dict=True)["accuracy"])
+        finally:
+            keras.config.set_dtype_policy("float32")
+
+    return train
+
+
+def contenders(data, recommended_policy=None):
     """Name -> contender; the first one is the baseline of every ratio."""
     return {
         BASELINE: fit_contender(data),
@@ -165,6 +217,7 @@ def contenders(data):
         "OptimizedModel.fit (+ clipping, guards)": fit_contender(
             data, OptimizedModel, {"gradient_clipping": 1.0}
         ),
+        RECOMMENDED: recommended_contender(data, recommended_policy),
     }
 
 
@@ -192,8 +245,13 @@ def run(out_dir: Path, quick: bool = False, rounds: int | None = None, epochs: i
     keras.utils.set_random_seed(0)
     initial = build_cnn().get_weights()
     progress(f"[default] {len(data.x)} training images, {epochs} epochs x {rounds} rounds")
+    choice, choice_seconds = confirm_recommended_policy(data)
     runs = harness.run_alternating(
-        contenders(data), lambda: [w.copy() for w in initial], epochs, rounds, progress
+        contenders(data, choice.policy),
+        lambda: [w.copy() for w in initial],
+        epochs,
+        rounds,
+        progress,
     )
     if target_loss is None:
         target_loss = 0.3 if not quick else max(r.curve[-1][1] for r in runs[BASELINE])
@@ -205,7 +263,7 @@ def run(out_dir: Path, quick: bool = False, rounds: int | None = None, epochs: i
         f"Data: scikit-learn digits (real, {len(data.x)} train / {len(data.x_val)} validation "
         f"images, 16x16), batch {BATCH_SIZE}, Adam {LEARNING_RATE}, {epochs} epochs, "
         f"validation after every epoch, {rounds} alternating rounds (medians).\n\n"
-        f"{table}\n{SEED_CLAIM}\n"
+        f"{table}\n{_flops_section(rows, choice, choice_seconds)}\n{SEED_CLAIM}\n"
     )
     harness.plot_curves(runs, out_dir / "default.png", "digits CNN: loss vs wall time")
     payload = {
@@ -214,11 +272,48 @@ def run(out_dir: Path, quick: bool = False, rounds: int | None = None, epochs: i
         "config": {"epochs": epochs, "rounds": rounds, "batch_size": BATCH_SIZE,
                    "target_loss": target_loss, "train_images": len(data.x)},
         "rows": rows,
+        "recommended_policy": {
+            "policy": choice.policy,
+            "recommended": choice.recommended,
+            "seconds_per_step": choice.seconds_per_step,
+            "confirm_seconds": choice_seconds,
+        },
         "curves": {name: [r.curve for r in rs] for name, rs in runs.items()},
         "markdown": markdown,
     }
     harness.write_report(out_dir, "default", markdown, payload)
     return payload
+
+
+def _flops_section(rows, choice, choice_seconds):
+    """Adds achieved FLOP/s and % of peak to ``rows``; returns a markdown section."""
+    train_flops = flops.count_flops(build_cnn()).training
+    peak = flops.machine_peak()
+    lines = [
+        f"Achieved FLOP/s: {train_flops / 1e6:.2f} MFLOP per training sample (analytic, 3 x "
+        f"forward) x samples/s. Peak: {peak.device}, fp32 {peak.fp32 / 1e9:.0f} GFLOP/s"
+        + (f", bf16 {peak.low_precision / 1e9:.0f} GFLOP/s" if peak.low_precision else "")
+        + f" ({peak.formula}).\n",
+        "| contender | policy | GFLOP/s | % of peak |",
+        "|---|---|---:|---:|",
+    ]
+    for row in rows:
+        policy = choice.policy if row["contender"] == RECOMMENDED else "float32"
+        achieved = row["throughput_samples_per_s"] * train_flops
+        ceiling = peak.for_policy(policy)
+        row["achieved_flops"] = achieved
+        row["percent_of_peak"] = 100 * achieved / ceiling
+        lines.append(
+            f"| {row['contender']} | {policy} | {achieved / 1e9:.2f} | "
+            f"{row['percent_of_peak']:.2f} |"
+        )
+    timed = ", ".join(f"{k} {1e3 * v:.1f} ms/step" for k, v in choice.seconds_per_step.items())
+    lines.append(
+        f"\nRecommended setup: policy `{choice.policy}` (hardware rule: `{choice.recommended}`; "
+        f"confirmed once before the rounds in {choice_seconds:.1f} s, not counted above: "
+        f'{timed or "not timed"}), `steps_per_execution="auto"`, tf.data autotune + prefetch.'
+    )
+    return "\n".join(lines) + "\n"
 
 
 def initial_weights_equal(models) -> bool:
