@@ -30,8 +30,12 @@ __all__ = [
 
 
 def _positive(name, value):
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"`{name}` must be a positive number. Received: {name}={value!r}")
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not 0 < value < float("inf")
+    ):
+        raise ValueError(f"`{name}` must be a positive, finite number. Received: {name}={value!r}")
     return float(value)
 
 

@@ -17,7 +17,9 @@ Two Keras behaviours shape this callback:
 """
 
 import copy
+import json
 import numbers
+import os
 
 import keras
 
@@ -89,6 +91,18 @@ class PeriodicValidation(keras.callbacks.Callback):
     JSON-compatible dict (last validated step, the history, and `best`/`wait`/... of the
     driven callbacks); `set_state()` before the next `fit` continues from it instead.
 
+    **Surviving a crash.** With `backup_dir` set to the directory of a
+    `keras.callbacks.BackupAndRestore`, the callback writes its state (every validation
+    with the step it saw, and the driven callbacks' `best`/`wait`/... after each) to
+    `backup_dir/periodic_validation.json` after every validation, atomically (temporary
+    file + `os.replace`). At the start of the next `fit` (first `on_epoch_begin`, so after
+    `BackupAndRestore` restored the weights, whatever the callback order) it keeps the
+    validations up to the restored optimizer step and drops later ones, which the
+    resumed run repeats. The file is thus consistent with any backup, however the two
+    saves interleave with a crash. `BackupAndRestore` deletes the directory, file
+    included, when training completes. Best weights kept by driven callbacks
+    (`restore_best_weights`) are not saved.
+
     Args:
         validation_data: What `model.evaluate` accepts: a `tf.data.Dataset`, a
             `keras.utils.PyDataset`, or a tuple `(x, y)` / `(x, y, sample_weight)` of
@@ -114,6 +128,10 @@ class PeriodicValidation(keras.callbacks.Callback):
             was not validated already. Defaults to `False`, so "every N steps" means
             exactly the multiples of N.
         verbose: `0` or `1`. `1` prints one line per validation. Defaults to `0`.
+        backup_dir: String, path-like or `None`. The `backup_dir` of the
+            `keras.callbacks.BackupAndRestore` used in the same `fit`; the callback's
+            state is saved there and restored after a crash (see above). Defaults to
+            `None` (each `fit` starts afresh unless `set_state` is used).
 
     Attributes:
         history: List of dicts, one per validation (see above).
@@ -123,7 +141,8 @@ class PeriodicValidation(keras.callbacks.Callback):
     Raises:
         ValueError: At construction, if not exactly one frequency is given, if a
             frequency, `validation_steps` or `batch_size` is not a positive integer,
-            if `validation_data` is missing, or if `callbacks` holds a non-callback.
+            if `validation_data` is missing, if `callbacks` holds a non-callback, or if
+            `backup_dir` is not a non-empty path.
 
     Example:
 
@@ -148,12 +167,18 @@ class PeriodicValidation(keras.callbacks.Callback):
         callbacks=None,
         validate_at_end=False,
         verbose=0,
+        backup_dir=None,
     ):
         super().__init__()
         if validation_data is None:
             raise ValueError(
                 "`validation_data` must be a dataset or a tuple (x, y[, sample_weight]). "
                 "Received: validation_data=None"
+            )
+        if isinstance(validation_data, (str, bytes, numbers.Number)):
+            raise ValueError(
+                "`validation_data` must be a dataset or a tuple (x, y[, sample_weight]). "
+                f"Received: validation_data={validation_data!r}"
             )
         if (every_n_steps is None) == (every_n_epochs is None):
             raise ValueError(
@@ -176,6 +201,13 @@ class PeriodicValidation(keras.callbacks.Callback):
             )
         if verbose not in (0, 1):
             raise ValueError(f"`verbose` must be 0 or 1. Received: verbose={verbose!r}")
+        if backup_dir is not None and (
+            not isinstance(backup_dir, (str, os.PathLike)) or not os.fspath(backup_dir)
+        ):
+            raise ValueError(
+                "`backup_dir` must be None or a non-empty path (the directory of a "
+                f"BackupAndRestore). Received: backup_dir={backup_dir!r}"
+            )
         callbacks = list(callbacks or [])
         for callback in callbacks:
             if not isinstance(callback, keras.callbacks.Callback) or callback is self:
@@ -203,12 +235,15 @@ class PeriodicValidation(keras.callbacks.Callback):
         self.callbacks = callbacks
         self.validate_at_end = validate_at_end
         self.verbose = verbose
+        self.backup_dir = None if backup_dir is None else os.fspath(backup_dir)
 
         self.history = []
         self.last_validated_step = None
         self._pending_callback_state = None
         self._epoch = 0
         self._epoch_val_logs = None
+        self._backup = None  # per-validation states, written to backup_dir
+        self._restore_pending = False
 
     # -- Keras plumbing, forwarded to the driven callbacks ---------------------------------
 
@@ -233,7 +268,11 @@ class PeriodicValidation(keras.callbacks.Callback):
         else:
             self.history = []
             self.last_validated_step = None
-        if self.last_validated_step is None:
+        if self.backup_dir is not None:
+            # The weights (and so the step) may be restored by a callback listed after this
+            # one; decide at the first epoch begin, when every on_train_begin has run.
+            self._restore_pending = True
+        elif self.last_validated_step is None:
             self.last_validated_step = self._current_step()
 
     def on_train_end(self, logs=None):
@@ -241,6 +280,9 @@ class PeriodicValidation(keras.callbacks.Callback):
             callback.on_train_end(logs)
 
     def on_epoch_begin(self, epoch, logs=None):
+        if self._restore_pending:
+            self._restore_pending = False
+            self._restore_from_backup()
         self._epoch = epoch
         self._epoch_val_logs = None
 
@@ -299,6 +341,8 @@ class PeriodicValidation(keras.callbacks.Callback):
         self.last_validated_step = step
         self.history.append({"step": step, "epoch": self._epoch, **val_logs})
         self._epoch_val_logs = val_logs
+        if self.backup_dir is not None:
+            self._save_to_backup()
         if self.verbose:
             values = " - ".join(f"{name}: {value:.4f}" for name, value in val_logs.items())
             print(f"Step {step}: {values}")
@@ -308,6 +352,53 @@ class PeriodicValidation(keras.callbacks.Callback):
             for callback in self.callbacks:
                 callback.on_epoch_end(validation_round, callback_logs)
         return val_logs
+
+    # -- crash safety (backup_dir) -------------------------------------------------------------
+
+    @property
+    def _backup_path(self):
+        return os.path.join(self.backup_dir, "periodic_validation.json")
+
+    def _restore_from_backup(self):
+        """Start from the saved validations up to the (restored) current step, or afresh."""
+        step = self._current_step()
+        saved = None
+        if os.path.exists(self._backup_path):
+            with open(self._backup_path) as f:
+                saved = json.load(f)
+        if saved is None or saved["start_step"] > step:
+            if self.last_validated_step is None:  # no set_state(): start afresh
+                self.history = []
+                self.last_validated_step = step
+            self._backup = {
+                "start_step": self.last_validated_step,
+                "history": copy.deepcopy(self.history),
+                "callbacks": [None] * len(self.history),
+            }
+            return
+        count = sum(1 for record in saved["history"] if record["step"] <= step)
+        self._backup = {
+            "start_step": saved["start_step"],
+            "history": saved["history"][:count],
+            "callbacks": saved["callbacks"][:count],
+        }
+        self.history = copy.deepcopy(self._backup["history"])
+        self.last_validated_step = self.history[-1]["step"] if count else saved["start_step"]
+        callback_states = saved["callbacks"][count - 1] if count else None
+        for callback, state in zip(self.callbacks, callback_states or []):
+            for name, value in state.items():
+                setattr(callback, name, value)
+
+    def _save_to_backup(self):
+        self._backup["history"].append(copy.deepcopy(self.history[-1]))
+        self._backup["callbacks"].append(self.get_state()["callbacks"])
+        os.makedirs(self.backup_dir, exist_ok=True)
+        temporary = f"{self._backup_path}.tmp"
+        with open(temporary, "w") as f:
+            json.dump(self._backup, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, self._backup_path)
 
     # -- resumable state ---------------------------------------------------------------------
 
