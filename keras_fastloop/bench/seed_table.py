@@ -93,17 +93,17 @@ def build_small_resnet(
     """
     inputs = keras.Input(input_shape)
     h = keras.layers.Conv2D(stages[0], 3, padding="same", use_bias=False)(inputs)
-    h = keras.layers.ReLU()(keras.layers.BatchNormalization()(h))
+    h = keras.layers.ReLU()(keras.layers.BatchNormalization(momentum=0.9)(h))
     for i, filters in enumerate(stages):
         stride = 1 if i == 0 else 2
         shortcut = h
         if stride != 1 or h.shape[-1] != filters:
             shortcut = keras.layers.Conv2D(filters, 1, strides=stride, use_bias=False)(h)
-            shortcut = keras.layers.BatchNormalization()(shortcut)
+            shortcut = keras.layers.BatchNormalization(momentum=0.9)(shortcut)
         y = keras.layers.Conv2D(filters, 3, strides=stride, padding="same", use_bias=False)(h)
-        y = keras.layers.ReLU()(keras.layers.BatchNormalization()(y))
+        y = keras.layers.ReLU()(keras.layers.BatchNormalization(momentum=0.9)(y))
         y = keras.layers.Conv2D(filters, 3, padding="same", use_bias=False)(y)
-        y = keras.layers.BatchNormalization()(y)
+        y = keras.layers.BatchNormalization(momentum=0.9)(y)
         h = keras.layers.ReLU()(keras.layers.Add()([y, shortcut]))
     h = keras.layers.GlobalAveragePooling2D()(h)
     outputs = keras.layers.Dense(num_classes, activation="softmax", dtype="float32")(h)
