@@ -22,14 +22,18 @@ def state_variable(state, name, shape, value=0.0, dtype="float32"):
     )
 
 
-def global_losses(losses):
-    """Each task's loss on the global batch, as a float32 vector of shape ``(T,)``.
+def update_losses(losses):
+    """Each task's loss as a float32 vector of shape ``(T,)``, on the global-batch scale.
 
-    The step's per-task losses are already divided by the number of replicas (as Keras' own
-    losses are), so their sum across replicas is the global mean. Identity with one replica.
+    The step's per-task losses are divided by the number of replicas (as Keras' own losses
+    are); this multiplies that back. Under ``tf.distribute`` each replica passes its own batch's
+    losses and the state variables (``aggregation="only_first_replica"``) keep the first
+    replica's update, so every replica holds the same state, driven by the first replica's
+    share of the batch. No collective is issued here: ``update`` runs inside the step's
+    conditional branch, where a cross-replica reduction would be unsafe.
     """
-    losses = [ops.cast(loss, "float32") for loss in losses]
-    return ops.stack(distributed.all_reduce_sum(losses))
+    losses = ops.stack([ops.cast(loss, "float32") for loss in losses])
+    return losses * float(distributed.num_replicas())
 
 
 def resolve_seed(seed, what="seed"):
@@ -65,7 +69,7 @@ def check_positive_int(value, name):
 __all__ = [
     "check_positive",
     "check_positive_int",
-    "global_losses",
+    "update_losses",
     "resolve_seed",
     "state_variable",
     "stateless_seed",

@@ -16,7 +16,7 @@ class DWA(LossWeighting):
     Algorithm. Training is cut into windows of ``window`` optimizer updates, which stand in for
     the paper's epochs (the compiled step does not see epoch boundaries; set ``window`` to the
     number of steps per epoch to reproduce the paper exactly). ``Lbar_i(k)`` is task ``i``'s mean
-    loss over window ``k`` (global batch). For window ``k >= 2``::
+    loss over window ``k``. For window ``k >= 2``::
 
         r_i = Lbar_i(k-1) / Lbar_i(k-2)
         w_i = T * exp(r_i / temperature) / sum_j exp(r_j / temperature)
@@ -52,7 +52,7 @@ class DWA(LossWeighting):
         self.windows = _utils.state_variable(state, "dwa_windows", (), 0, "int64")
 
     def update(self, losses):
-        self.loss_sum.assign_add(_utils.global_losses(losses))
+        self.loss_sum.assign_add(_utils.update_losses(losses))
         self.count.assign_add(1)
         ops.cond(ops.greater_equal(self.count, self.window), self._close_window, lambda: None)
 

@@ -29,7 +29,8 @@ class FAMO(LossWeighting):
     "After" is taken from the next step's losses (a new batch) rather than a second forward pass
     on the same batch, as in LibMTL's training loop: no extra compute, one step of lag. The logged
     ``loss`` is FAMO's log-objective. The Adam state, logits and previous losses live in
-    checkpointed variables; losses are averaged over replicas before the update.
+    checkpointed variables. Under ``tf.distribute`` the update uses the first replica's losses
+    (every replica keeps the same state; see ``_utils.update_losses``).
 
     Args:
         w_lr: positive float, default ``0.025``: Adam learning rate of the logits.
@@ -68,7 +69,7 @@ class FAMO(LossWeighting):
         return objective, ops.stop_gradient(z / (c * d))
 
     def update(self, losses):
-        current = _utils.global_losses(losses)
+        current = _utils.update_losses(losses)
         delta = ops.log(self.previous + _EPS) - ops.log(current + _EPS)
         xi = tf.identity(self.logits.value)
         z = ops.softmax(xi)

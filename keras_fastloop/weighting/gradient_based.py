@@ -337,7 +337,8 @@ class GradientWeighting(LossWeighting):
             flat.append(ops.stack(rows) / scale)
         flat = distributed.all_reduce_sum(flat)
         gram = ops.sum(ops.stack([ops.matmul(f, ops.transpose(f)) for f in flat]), axis=0)
-        beta = self.task_weights(gram, _utils.global_losses(losses))
+        global_losses = distributed.all_reduce_sum([ops.cast(loss, "float32") for loss in losses])
+        beta = self.task_weights(gram, ops.stack(global_losses))
         self.weights.assign(beta)
         head = self.head_weights()
         regularization = tape.gradient(objective, variables, unconnected_gradients=none)
@@ -418,7 +419,7 @@ class GradNorm(GradientWeighting):
     def update(self, losses):
         first = ops.equal(self.initialized, 0.0)
         self.initial_losses.assign(
-            ops.where(first, _utils.global_losses(losses), self.initial_losses)
+            ops.where(first, _utils.update_losses(losses), self.initial_losses)
         )
         self.initialized.assign(1.0)
         self.weights.assign(self.pending)

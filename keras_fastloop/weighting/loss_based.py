@@ -13,7 +13,8 @@ from keras_fastloop.weighting.base import _PACKAGE, LossWeighting
 class LossEMA(LossWeighting):
     """Weights proportional to an exponential moving average of each task's loss (``loss_ema``).
 
-    Algorithm, after every applied update with per-task losses ``L_i`` (global batch mean)::
+    Algorithm, after every applied update with per-task losses ``L_i`` (under ``tf.distribute``:
+    the first replica's, so every replica keeps the same state)::
 
         e_i <- L_i                                   on the first update
         e_i <- decay * e_i + (1 - decay) * L_i       afterwards
@@ -53,7 +54,7 @@ class LossEMA(LossWeighting):
         self.updates = _utils.state_variable(state, "loss_ema_updates", (), 0, "int64")
 
     def update(self, losses):
-        losses = _utils.global_losses(losses)
+        losses = _utils.update_losses(losses)
         first = ops.equal(self.updates, 0)
         ema = ops.where(first, losses, self.decay * self.ema + (1.0 - self.decay) * losses)
         self.ema.assign(ema)

@@ -51,8 +51,13 @@ class RLW(LossWeighting):
 
     def combine(self, losses):
         weights = self.sample()
-        self.weights.assign(weights)
         return ops.sum(ops.stack(losses) * ops.stop_gradient(weights)), weights
+
+    def gradients(self, tape, losses, objective, variables, scale_loss):
+        grads = super().gradients(tape, losses, objective, variables, scale_loss)
+        # Mirror this step's weights after the backward pass (see UncertaintyWeighting).
+        self.weights.assign(self.sample())
+        return grads
 
     def update(self, losses):
         self.step.assign_add(1)

@@ -43,7 +43,7 @@ class UncertaintyWeighting(LossWeighting):
     restored by checkpoints. The ``+ s_i`` term is divided by the number of replicas like any
     regularization loss, so the gradient summed across replicas is the global one. The logged
     ``{task}_weight`` is ``exp(-s_i)``; to change the weights mid-``fit`` assign
-    ``log_variances`` (``weights`` only mirrors them).
+    ``log_variances`` (``weights`` only mirrors them, as used by the last step).
 
     Args:
         initial_log_variance: float, default ``0.0``: the starting value of every ``s_i``.
@@ -84,8 +84,13 @@ class UncertaintyWeighting(LossWeighting):
         objective = ops.sum(precision * ops.stack(losses)) + regularizer
         return objective, ops.stop_gradient(precision)
 
-    def update(self, losses):
+    def gradients(self, tape, losses, objective, variables, scale_loss):
+        grads = super().gradients(tape, losses, objective, variables, scale_loss)
+        # Mirror the weights used by this step. Done here, after the backward pass: under
+        # MirroredStrategy an ``only_first_replica`` assignment is a collective, which must not
+        # sit inside the tape's forward pass nor the step's conditional ``update`` branch.
         self.weights.assign(ops.exp(-ops.cast(self.log_variances, "float32")))
+        return grads
 
     def get_config(self):
         return {"initial_log_variance": self.initial_log_variance}
