@@ -5,9 +5,9 @@ else, and ``tests/test_keras_internals.py`` fails loudly if a Keras upgrade move
 """
 
 from keras.src.backend import get_keras_mask
+from keras.src.losses.loss import scale_loss_for_distribution, unscale_loss_for_distribution
 from keras.src.models.functional import Functional
 from keras.src.models.model import Trainer, functional_init_arguments
-from keras.src.losses.loss import scale_loss_for_distribution, unscale_loss_for_distribution
 from keras.src.saving import serialization_lib
 from keras.src.trainers.compile_utils import get_loss
 

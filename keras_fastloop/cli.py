@@ -48,8 +48,12 @@ def main(argv=None):
     bench.add_argument("--suite", default="default", choices=[*SUITES, "all"])
     bench.add_argument("--out", default="bench_results", help="folder for .md/.json/.png reports")
     bench.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
-    bench.add_argument("--profile", choices=["cpu", "gpu"], default=None,
-                       help="seed-table suite: cpu (digits ResNet) or gpu (ResNet-50, synthetic)")
+    bench.add_argument(
+        "--profile",
+        choices=["cpu", "gpu"],
+        default=None,
+        help="seed-table suite: cpu (digits ResNet) or gpu (ResNet-50, synthetic)",
+    )
     sub.add_parser("launch", help="start N local workers: launch --workers N -- script.py ...")
     args = parser.parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")

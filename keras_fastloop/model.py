@@ -19,9 +19,10 @@ from keras import ops
 
 from keras_fastloop import _keras_internals as internals
 from keras_fastloop import clipping as clipping_module
-from keras_fastloop import distributed, scaling, tuning
+from keras_fastloop import distributed, guards, scaling, tuning
 from keras_fastloop import micro_batching as micro_batching_module
 from keras_fastloop import weighting as weighting_module
+from keras_fastloop.callbacks.resume import ExactResumeMixin
 from keras_fastloop.losses import TaskLosses
 from keras_fastloop.state import StepState
 
@@ -68,7 +69,7 @@ def _functional_variant(cls):
 
 
 @keras.saving.register_keras_serializable(package="keras_fastloop")
-class OptimizedModel(keras.Model):
+class OptimizedModel(ExactResumeMixin, keras.Model):
     """A ``keras.Model`` whose ``train_step``/``test_step`` carry an expert's training loop.
 
     Build it exactly like ``keras.Model`` (functional ``OptimizedModel(inputs, outputs)`` or
@@ -299,6 +300,7 @@ class OptimizedModel(keras.Model):
             grads, logs = micro_batching_module.accumulate(
                 self, x, y, sample_weight, variables, self._micro_batch_size
             )
+            weights, losses = logs.pop("_weights"), logs.pop("_losses")
         else:
             grads, y_pred, losses, total, weights = self._gradients(x, y, sample_weight, variables)
             logs = self._update_metrics(x, y, y_pred, sample_weight, losses, total)
@@ -307,28 +309,54 @@ class OptimizedModel(keras.Model):
         grads = scaling.unscale(grads, scale)
         finite = ops.all(ops.stack([ops.all(ops.isfinite(g)) for g in grads]))
         grad_norm = tf.linalg.global_norm(grads)
+        # Under loss scaling an overflow is routine; "raise"/"terminate" then watch the loss.
+        loss_finite = (
+            ops.all(ops.isfinite(ops.stack(losses)))
+            if scaling.is_loss_scale_optimizer(self.optimizer)
+            else None
+        )
+        allowed = guards.check(
+            self._nonfinite,
+            self._fastloop_state,
+            finite,
+            loss_finite,
+            grads,
+            variables,
+            self.optimizer.iterations,
+        )
         if self._gradient_clipping is not None:
             grads = self._gradient_clipping(grads, variables, grad_norm)
-        self._apply(grads, variables, finite, scale)
-        if self._micro_batch_size:
-            weights = logs.pop("_weights")
-            losses = logs.pop("_losses")
-        distributed.cond(finite, self._loss_weighting.update, args=(list(losses),))
+        applied = finite if allowed is None else ops.logical_and(finite, allowed)
+        self._apply(grads, variables, applied, scale, allowed)
+        self._fastloop_state.skipped_steps.assign_add(ops.cast(ops.logical_not(applied), "int64"))
+        # The weighting's state follows the global batch's task losses (the per-replica losses
+        # are already divided by the number of replicas, so their sum is the global mean).
+        if self._loss_weighting.has_state_update:
+            global_losses = distributed.all_reduce_sum(losses)
+            distributed.cond(applied, self._loss_weighting.update, args=(list(global_losses),))
         return self._step_logs(logs, grad_norm, weights, finite)
 
-    def _apply(self, grads, variables, finite, scale):
-        """Apply the update, or skip it entirely (weights, slots, ``iterations``) if not finite."""
+    def _apply(self, grads, variables, applied, scale, allowed):
+        """Apply the update, or skip it entirely (weights, slots, ``iterations``).
+
+        ``applied``: the gradient is finite and the non-finite policy allows updates;
+        ``allowed``: the policy's own condition (``None``: always).
+        """
         optimizer = self.optimizer
         if not optimizer.built:  # subclassed models are built by their first call, in the trace
             optimizer.build(variables)
+        grads = scaling.rescale(grads, scale)
         with distributed.gradients_already_reduced(optimizer):
             if scaling.is_loss_scale_optimizer(optimizer):
                 # Keras' LossScaleOptimizer skips non-finite updates and halves its scale itself.
-                optimizer.apply(scaling.rescale(grads, scale), variables)
+                if allowed is None:
+                    optimizer.apply(grads, variables)
+                else:
+                    distributed.cond(
+                        allowed, lambda g: optimizer.apply(g, variables), args=(grads,)
+                    )
             else:
-                grads = scaling.rescale(grads, scale)
-                distributed.cond(finite, lambda g: optimizer.apply(g, variables), args=(grads,))
-        self._fastloop_state.skipped_steps.assign_add(ops.cast(ops.logical_not(finite), "int64"))
+                distributed.cond(applied, lambda g: optimizer.apply(g, variables), args=(grads,))
 
     def _update_metrics(self, x, y, y_pred, sample_weight, losses, total):
         batch_size = ops.shape(next(t for t in tf.nest.flatten(x) if t is not None))[0]
@@ -370,12 +398,27 @@ class OptimizedModel(keras.Model):
     # ---------------------------------------------------------------------------- training
 
     def fit(self, *args, **kwargs):
-        """``keras.Model.fit``, with ``steps_per_execution="auto"`` in effect (tuning.py)."""
+        """``keras.Model.fit``, plus the internal callback of the non-finite policy.
+
+        It stops training for ``nonfinite="terminate"`` and warns once when many steps were
+        skipped (see :mod:`keras_fastloop.guards`). Arguments and return value as Keras'.
+        """
+        if len(args) > 5:  # callbacks given positionally (6th argument of keras.Model.fit)
+            args = (*args[:5], self._with_guard_callback(args[5]), *args[6:])
+        else:
+            kwargs["callbacks"] = self._with_guard_callback(kwargs.get("callbacks"))
         return tuning.fit(self, super().fit, *args, **kwargs)
 
     def make_train_function(self, force=False):
         # steps_per_execution="auto": one trace serves every step count (see tuning.py).
         return tuning.make_train_function(self, super().make_train_function, force)
+
+    def _with_guard_callback(self, callbacks):
+        monitor = guards.NonFiniteMonitor(getattr(self, "_nonfinite", "skip"))
+        if isinstance(callbacks, keras.callbacks.CallbackList):
+            callbacks.append(monitor)
+            return callbacks
+        return [*(callbacks or []), monitor]
 
     # -------------------------------------------------------------------------- serialization
 

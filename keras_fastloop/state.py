@@ -28,6 +28,15 @@ class StepState(keras.layers.Layer):
             name="skipped_steps",
             aggregation="only_first_replica",
         )
+        # Set by compile(nonfinite="terminate") once a step diverged: blocks every later update.
+        self.halted = self.add_weight(
+            shape=(),
+            initializer="zeros",
+            dtype="bool",
+            trainable=False,
+            name="halted",
+            aggregation="only_first_replica",
+        )
 
     def call(self, inputs):  # pragma: no cover - never called, holds state only
         return inputs

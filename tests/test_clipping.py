@@ -32,7 +32,9 @@ def test_agc_matches_numpy_unitwise_rule():
     np.testing.assert_allclose(out[1].numpy(), reference(gb, b, None), rtol=1e-5)
     # Column 0 is under its threshold and left alone; column 2 is clipped to 0.05 * |w_2|.
     np.testing.assert_array_equal(out[0].numpy()[:, 0], gw[:, 0])
-    assert np.linalg.norm(out[0].numpy()[:, 2]) == pytest.approx(0.05 * np.linalg.norm(w[:, 2]), rel=1e-5)
+    assert np.linalg.norm(out[0].numpy()[:, 2]) == pytest.approx(
+        0.05 * np.linalg.norm(w[:, 2]), rel=1e-5
+    )
 
 
 def test_autoclip_threshold_is_numpy_percentile_of_history():
@@ -106,7 +108,9 @@ def test_huge_threshold_equals_no_clipping():
     for clip in (None, 1e9, clipping.ClipByNorm(1e9), clipping.AdaptiveGradientClipping(1e9)):
         keras.utils.set_random_seed(0)
         i = keras.Input((5,))
-        model = kf.OptimizedModel(i, keras.layers.Dense(1)(keras.layers.Dense(8, activation="tanh")(i)))
+        model = kf.OptimizedModel(
+            i, keras.layers.Dense(1)(keras.layers.Dense(8, activation="tanh")(i))
+        )
         model.compile(keras.optimizers.Adam(1e-2), "mse", gradient_clipping=clip)
         model.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False)
         weights.append(model.get_weights())

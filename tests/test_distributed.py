@@ -8,6 +8,7 @@ replicas), which Keras' own ``global_clipnorm`` does not.
 import collections
 import inspect
 
+import conftest
 import keras
 import numpy as np
 import pytest
@@ -23,9 +24,6 @@ pytestmark = pytest.mark.distributed
 GLOBAL_BATCH = 8
 
 
-_STRATEGY = []
-
-
 def _two_replicas():
     """One MirroredStrategy over the 2 logical CPUs for the whole process.
 
@@ -33,11 +31,7 @@ def _two_replicas():
     MirroredStrategy objects on the same devices in one process can clash ("Shape mismatch in
     the collective instance") once their collectives differ; tests share one.
     """
-    if len(tf.config.list_logical_devices("CPU")) < 2:
-        pytest.skip("needs 2 logical CPU devices (configured by tests/conftest.py)")
-    if not _STRATEGY:
-        _STRATEGY.append(tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]))
-    return _STRATEGY[0]
+    return conftest.two_replica_strategy()
 
 
 def _micro_batching_implemented():
@@ -146,8 +140,6 @@ def test_micro_batching_replica_invariant():
 
 
 _XFAIL = {
-    "dwa": "DWA.update holds a tf.cond with variable assignments, which MirroredStrategy's "
-    "merge_call does not allow inside a cond (use ops.where or distributed.cond)",
     "famo": "FAMO.combine is not linear in the per-replica losses (log of each replica's share), "
     "so its per-replica objective does not sum to the global one",
 }

@@ -4,6 +4,7 @@ Every reference is a plain ``keras.Model`` with the same initial weights trained
 batch, or a NumPy value.
 """
 
+import conftest
 import keras
 import numpy as np
 import pytest
@@ -381,10 +382,7 @@ def test_mixed_float16_trains_close_to_the_full_batch():
 def test_mirrored_strategy_two_replicas_accumulate_per_replica_share():
     # The loop runs per replica on the replica's 8 samples (micro-batches 3, 3, 2); the
     # cross-replica sum of the accumulated gradients is the gradient of the global batch mean.
-    devices = tf.config.list_logical_devices("CPU")
-    if len(devices) < 2:
-        pytest.skip("needs two logical CPU devices")
-    strategy = tf.distribute.MirroredStrategy([d.name for d in devices[:2]])
+    strategy = conftest.two_replica_strategy()
     x, y, _ = data(16)
     ref = mlp(keras.Model)
     with strategy.scope():

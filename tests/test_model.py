@@ -17,7 +17,10 @@ def mlp(cls, seed=0, regularize=False, outputs="single"):
     h = keras.layers.Dense(16, activation="relu", kernel_regularizer=reg)(i)
     if outputs == "single":
         return cls(i, keras.layers.Dense(3, activation="softmax")(h))
-    heads = [keras.layers.Dense(3, activation="softmax", name="cls")(h), keras.layers.Dense(1, name="reg")(h)]
+    heads = [
+        keras.layers.Dense(3, activation="softmax", name="cls")(h),
+        keras.layers.Dense(1, name="reg")(h),
+    ]
     return cls(i, heads if outputs == "list" else {"cls": heads[0], "reg": heads[1]})
 
 
@@ -27,7 +30,13 @@ def data(n=96):
     return x, rng.integers(0, 3, n), rng.normal(size=(n, 1)).astype("float32")
 
 
-def fit_both(outputs="single", regularize=False, optimizer=lambda: keras.optimizers.Adam(1e-2), epochs=2, **fit):
+def fit_both(
+    outputs="single",
+    regularize=False,
+    optimizer=lambda: keras.optimizers.Adam(1e-2),
+    epochs=2,
+    **fit,
+):
     x, y_cls, y_reg = data()
     if outputs == "single":
         y, loss, weights = y_cls, "sparse_categorical_crossentropy", None
@@ -35,7 +44,10 @@ def fit_both(outputs="single", regularize=False, optimizer=lambda: keras.optimiz
         y, loss, weights = [y_cls, y_reg], ["sparse_categorical_crossentropy", "mse"], [1.0, 0.3]
     else:
         y = {"cls": y_cls, "reg": y_reg}
-        loss, weights = {"cls": "sparse_categorical_crossentropy", "reg": "mse"}, {"cls": 1.0, "reg": 0.3}
+        loss, weights = (
+            {"cls": "sparse_categorical_crossentropy", "reg": "mse"},
+            {"cls": 1.0, "reg": 0.3},
+        )
     runs = []
     for cls in (keras.Model, kf.OptimizedModel):
         model = mlp(cls, regularize=regularize, outputs=outputs)
@@ -61,8 +73,12 @@ def test_features_off_equals_keras_fit_with_steps_per_execution_and_validation()
     runs = []
     for cls in (keras.Model, kf.OptimizedModel):
         model = mlp(cls)
-        model.compile(keras.optimizers.SGD(0.1, momentum=0.9), "sparse_categorical_crossentropy",
-                      metrics=["accuracy"], steps_per_execution=4)
+        model.compile(
+            keras.optimizers.SGD(0.1, momentum=0.9),
+            "sparse_categorical_crossentropy",
+            metrics=["accuracy"],
+            steps_per_execution=4,
+        )
         h = model.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False, validation_split=0.25)
         runs.append((h.history, model.get_weights()))
     for key, values in runs[0][0].items():
@@ -162,7 +178,11 @@ def test_clipping_set_twice_is_rejected():
     with pytest.raises(ValueError, match="clipping is set twice.*global_clipnorm=1.0"):
         model.compile(keras.optimizers.Adam(global_clipnorm=1.0), "mse", gradient_clipping=2.0)
     with pytest.raises(ValueError, match="clipnorm=0.5"):
-        model.compile(keras.optimizers.SGD(clipnorm=0.5), "mse", gradient_clipping=kf.clipping.ClipByValue(1.0))
+        model.compile(
+            keras.optimizers.SGD(clipnorm=0.5),
+            "mse",
+            gradient_clipping=kf.clipping.ClipByValue(1.0),
+        )
     model.compile(keras.optimizers.Adam(global_clipnorm=1.0), "mse")  # one place only: fine
 
 
@@ -189,8 +209,12 @@ def test_bad_compile_arguments_raise_clear_errors(kwargs, error, match):
 def test_save_and_load_restore_training_configuration(tmp_path):
     x, y, _ = data()
     model = mlp(kf.OptimizedModel)
-    model.compile(keras.optimizers.Adam(1e-2), "sparse_categorical_crossentropy", metrics=["accuracy"],
-                  gradient_clipping=kf.clipping.AutoClip(percentile=25.0))
+    model.compile(
+        keras.optimizers.Adam(1e-2),
+        "sparse_categorical_crossentropy",
+        metrics=["accuracy"],
+        gradient_clipping=kf.clipping.AutoClip(percentile=25.0),
+    )
     model.fit(x, y, batch_size=16, epochs=1, verbose=0)
     path = tmp_path / "m.keras"
     model.save(path)
@@ -198,7 +222,9 @@ def test_save_and_load_restore_training_configuration(tmp_path):
     assert type(loaded).__name__ == "OptimizedModel" and isinstance(loaded, kf.OptimizedModel)
     assert isinstance(loaded._gradient_clipping, kf.clipping.AutoClip)
     assert loaded._gradient_clipping.percentile == 25.0
-    np.testing.assert_array_equal(loaded._gradient_clipping.history.numpy(), model._gradient_clipping.history.numpy())
+    np.testing.assert_array_equal(
+        loaded._gradient_clipping.history.numpy(), model._gradient_clipping.history.numpy()
+    )
     assert int(loaded._gradient_clipping.count.numpy()) == 6
     np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0), atol=1e-6)
     # Training continues identically from the loaded model.

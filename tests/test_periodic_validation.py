@@ -5,6 +5,7 @@ import json
 import os
 import warnings
 
+import conftest
 import keras
 import numpy as np
 import pytest
@@ -427,10 +428,7 @@ def test_state_resumes_counters_and_driven_callbacks():
 
 @pytest.mark.distributed
 def test_training_logs_identical_under_mirrored_strategy():
-    devices = tf.config.list_logical_devices("CPU")
-    if len(devices) < 2:
-        pytest.skip("needs two logical CPU devices")
-    strategy = tf.distribute.MirroredStrategy([d.name for d in devices[:2]])
+    strategy = conftest.two_replica_strategy()
 
     def run(callbacks):
         keras.utils.set_random_seed(5)

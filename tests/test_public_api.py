@@ -22,18 +22,37 @@ def test_top_level_all():
 
 def test_submodule_exports():
     assert set(kf.clipping.__all__) == {
-        "AdaptiveGradientClipping", "AutoClip", "ClipByGlobalNorm", "ClipByNorm", "ClipByValue",
-        "GradientClipping", "get",
+        "AdaptiveGradientClipping",
+        "AutoClip",
+        "ClipByGlobalNorm",
+        "ClipByNorm",
+        "ClipByValue",
+        "GradientClipping",
+        "get",
     }
     assert set(kf.callbacks.__all__) == {
-        "LearningRateLogger", "MemoryMonitor", "PeriodicValidation", "ProfilerWindow",
+        "LearningRateLogger",
+        "MemoryMonitor",
+        "PeriodicValidation",
+        "ProfilerWindow",
         "ThroughputMonitor",
     }
-    assert {"bucket_by_length", "padding_stats", "load_stdlib_code", "load_digits_data"} <= set(kf.data.__all__)
+    assert {"bucket_by_length", "padding_stats", "load_stdlib_code", "load_digits_data"} <= set(
+        kf.data.__all__
+    )
     assert {"WarmupCosineDecayRestarts"} <= set(kf.schedules.__all__)
-    assert {"recommended_policy", "set_recommended_policy", "check_output_dtypes"} <= set(kf.mixed_precision.__all__)
+    assert {"recommended_policy", "set_recommended_policy", "check_output_dtypes"} <= set(
+        kf.mixed_precision.__all__
+    )
     assert {"LossWeighting", "get", "METHODS"} <= set(kf.weighting.__all__)
-    for module in (kf.clipping, kf.callbacks, kf.data, kf.schedules, kf.mixed_precision, kf.weighting):
+    for module in (
+        kf.clipping,
+        kf.callbacks,
+        kf.data,
+        kf.schedules,
+        kf.mixed_precision,
+        kf.weighting,
+    ):
         for name in module.__all__:
             assert hasattr(module, name), (module.__name__, name)
 

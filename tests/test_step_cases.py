@@ -83,7 +83,10 @@ def two_output_model(cls):
 
 def test_c3_multi_output_dict_logs_unweighted_task_losses():
     x = np.random.rand(64, 4).astype("float32")
-    y = {"a": np.random.rand(64, 1).astype("float32"), "b": 3 * np.random.rand(64, 1).astype("float32")}
+    y = {
+        "a": np.random.rand(64, 1).astype("float32"),
+        "b": 3 * np.random.rand(64, 1).astype("float32"),
+    }
     model = two_output_model(kf.OptimizedModel)
     model.compile(
         keras.optimizers.SGD(0.01),
@@ -108,7 +111,9 @@ def test_c3_matches_keras_loss_weights_over_training():
     out = []
     for cls in (keras.Model, kf.OptimizedModel):
         model = two_output_model(cls)
-        model.compile(keras.optimizers.SGD(0.05), {"a": "mse", "b": "mse"}, loss_weights={"a": 1.0, "b": 0.5})
+        model.compile(
+            keras.optimizers.SGD(0.05), {"a": "mse", "b": "mse"}, loss_weights={"a": 1.0, "b": 0.5}
+        )
         h = model.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False)
         out.append((h.history, model.get_weights()))
     for key in ("loss", "a_loss", "b_loss"):
@@ -120,7 +125,9 @@ def test_c3_matches_keras_loss_weights_over_training():
 def test_c4_evaluate_reports_mean_over_batches():
     # Batches of 2 whose loss (= mean of y_pred over the batch, w = 0) are 1, 2 and 3.
     model = ScalarModel()
-    model.compile(keras.optimizers.SGD(0.0), loss=lambda yt, yp: keras.ops.mean(yt, axis=-1) + 0 * yp[:, 0])
+    model.compile(
+        keras.optimizers.SGD(0.0), loss=lambda yt, yp: keras.ops.mean(yt, axis=-1) + 0 * yp[:, 0]
+    )
     x = np.zeros((6, 1), "float32")
     y = np.array([[1], [1], [2], [2], [3], [3]], "float32")
     assert model.evaluate(x, y, batch_size=2, verbose=0) == pytest.approx(2.0)
@@ -137,7 +144,9 @@ def test_c5_loss_scale_optimizer_single_scaling():
     opt = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=1024)
     model.compile(opt, loss=identity_loss)
     h = model.fit(np.zeros((1, 1), "float32"), np.zeros((1, 1), "float32"), epochs=1, verbose=0)
-    assert model.w.numpy() == np.float32(0.9)  # forgetting scale_loss or unscaling twice: 0.99990234
+    assert model.w.numpy() == np.float32(
+        0.9
+    )  # forgetting scale_loss or unscaling twice: 0.99990234
     assert h.history["loss"][0] == 1.0
     assert h.history["loss_scale"][0] == 1024.0
 
@@ -200,9 +209,13 @@ def test_c6_inf_step_halves_scale_and_leaves_variables():
 def _c7_model(output_dtype):
     i = keras.Input((4,))
     h = keras.layers.Dense(4, kernel_initializer="ones")(i)  # float16 compute: values 4
-    logits = keras.layers.Dense(3, kernel_initializer=keras.initializers.Constant(4375.0), dtype=output_dtype)(h)
+    logits = keras.layers.Dense(
+        3, kernel_initializer=keras.initializers.Constant(4375.0), dtype=output_dtype
+    )(h)
     mask = keras.ops.convert_to_tensor([0.0, 0.0, 1.0])
-    masked = keras.layers.Lambda(lambda t: t - 1e9 * keras.ops.cast(mask, t.dtype), dtype=output_dtype)(logits)
+    masked = keras.layers.Lambda(
+        lambda t: t - 1e9 * keras.ops.cast(mask, t.dtype), dtype=output_dtype
+    )(logits)
     out = keras.layers.Activation("softmax", dtype=output_dtype)(masked)
     model = kf.OptimizedModel(i, out)
     model.compile(keras.optimizers.SGD(1e-9), "sparse_categorical_crossentropy")
@@ -234,7 +247,11 @@ class TwoVars(kf.OptimizedModel):
         self.b = self.add_weight(shape=(2,), initializer="zeros", name="b")
 
     def call(self, x):
-        return tf.zeros_like(x[:, :1]) + keras.ops.sum(self.a * [3.0, 0.0]) + keras.ops.sum(self.b * [0.0, 4.0])
+        return (
+            tf.zeros_like(x[:, :1])
+            + keras.ops.sum(self.a * [3.0, 0.0])
+            + keras.ops.sum(self.b * [0.0, 4.0])
+        )
 
 
 def _update_after_one_step(gradient_clipping, optimizer=None, scale=None):

@@ -221,8 +221,14 @@ def contenders(data, recommended_policy=None):
     }
 
 
-def run(out_dir: Path, quick: bool = False, rounds: int | None = None, epochs: int | None = None,
-        target_loss: float | None = None, progress=print) -> dict:
+def run(
+    out_dir: Path,
+    quick: bool = False,
+    rounds: int | None = None,
+    epochs: int | None = None,
+    target_loss: float | None = None,
+    progress=print,
+) -> dict:
     """Run the default suite; write ``default.md``, ``default.json``, ``default.png``.
 
     Args:
@@ -269,8 +275,13 @@ def run(out_dir: Path, quick: bool = False, rounds: int | None = None, epochs: i
     payload = {
         "suite": "default",
         "machine": machine,
-        "config": {"epochs": epochs, "rounds": rounds, "batch_size": BATCH_SIZE,
-                   "target_loss": target_loss, "train_images": len(data.x)},
+        "config": {
+            "epochs": epochs,
+            "rounds": rounds,
+            "batch_size": BATCH_SIZE,
+            "target_loss": target_loss,
+            "train_images": len(data.x),
+        },
         "rows": rows,
         "recommended_policy": {
             "policy": choice.policy,

@@ -45,7 +45,9 @@ def load_digits_data(image_size=16, validation_fraction=0.2, seed=0):
     val_idx = []
     for c in range(10):
         members = np.flatnonzero(labels == c)
-        val_idx.extend(rng.choice(members, int(round(len(members) * validation_fraction)), replace=False))
+        val_idx.extend(
+            rng.choice(members, int(round(len(members) * validation_fraction)), replace=False)
+        )
     val_mask = np.zeros(len(labels), bool)
     val_mask[val_idx] = True
     train_order = rng.permutation(np.flatnonzero(~val_mask))

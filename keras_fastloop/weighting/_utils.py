@@ -7,8 +7,6 @@ import random
 import keras
 from keras import ops
 
-from keras_fastloop import distributed
-
 
 def state_variable(state, name, shape, value=0.0, dtype="float32"):
     """A non-trainable, checkpointed variable of the step's state, identical on every replica."""
@@ -23,17 +21,12 @@ def state_variable(state, name, shape, value=0.0, dtype="float32"):
 
 
 def update_losses(losses):
-    """Each task's loss as a float32 vector of shape ``(T,)``, on the global-batch scale.
+    """The losses ``update`` receives, as a float32 vector of shape ``(T,)``.
 
-    The step's per-task losses are divided by the number of replicas (as Keras' own losses
-    are); this multiplies that back. Under ``tf.distribute`` each replica passes its own batch's
-    losses and the state variables (``aggregation="only_first_replica"``) keep the first
-    replica's update, so every replica holds the same state, driven by the first replica's
-    share of the batch. No collective is issued here: ``update`` runs inside the step's
-    conditional branch, where a cross-replica reduction would be unsafe.
+    The step passes each task's loss on the *global* batch (summed across replicas before the
+    conditional update, so every replica sees the same values and holds the same state).
     """
-    losses = ops.stack([ops.cast(loss, "float32") for loss in losses])
-    return losses * float(distributed.num_replicas())
+    return ops.stack([ops.cast(loss, "float32") for loss in losses])
 
 
 def resolve_seed(seed, what="seed"):

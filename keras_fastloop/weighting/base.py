@@ -95,6 +95,11 @@ class LossWeighting:
             objective, variables, unconnected_gradients=tf.UnconnectedGradients.NONE
         )
 
+    @property
+    def has_state_update(self):
+        """Whether ``update`` does anything (the step then gathers the global-batch losses)."""
+        return type(self).update is not LossWeighting.update
+
     def update(self, losses):
         """Advance the method's state after an applied step (default: nothing)."""
 

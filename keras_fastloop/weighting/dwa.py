@@ -52,21 +52,23 @@ class DWA(LossWeighting):
         self.windows = _utils.state_variable(state, "dwa_windows", (), 0, "int64")
 
     def update(self, losses):
-        self.loss_sum.assign_add(_utils.update_losses(losses))
-        self.count.assign_add(1)
-        ops.cond(ops.greater_equal(self.count, self.window), self._close_window, lambda: None)
-
-    def _close_window(self):
-        mean = self.loss_sum / ops.cast(self.count, "float32")
+        # Branch-free (ops.where): the step already runs this inside its own conditional, and
+        # under MirroredStrategy a nested cond holding assignments is not allowed there.
+        loss_sum = self.loss_sum + _utils.update_losses(losses)
+        count = self.count + 1
+        close = ops.greater_equal(count, self.window)
+        mean = loss_sum / ops.cast(count, "float32")
         # previous[0] = window k-2, previous[1] = window k-1
-        self.previous.assign(ops.stack([self.previous[1], mean]))
-        self.windows.assign_add(1)
-        self.loss_sum.assign(ops.zeros_like(self.loss_sum))
-        self.count.assign(0)
-        ratio = self.previous[1] / ops.maximum(self.previous[0], 1e-12)
+        previous = ops.where(close, ops.stack([self.previous[1], mean]), self.previous)
+        windows = self.windows + ops.cast(close, "int64")
+        ratio = previous[1] / ops.maximum(previous[0], 1e-12)
         weights = self.num_tasks * ops.softmax(ratio / self.temperature)
-        ready = ops.greater_equal(self.windows, 2)
-        self.weights.assign(ops.where(ready, weights, ops.ones_like(weights)))
+        weights = ops.where(ops.greater_equal(windows, 2), weights, ops.ones_like(weights))
+        self.previous.assign(previous)
+        self.windows.assign(windows)
+        self.loss_sum.assign(ops.where(close, ops.zeros_like(loss_sum), loss_sum))
+        self.count.assign(ops.where(close, ops.zeros_like(count), count))
+        self.weights.assign(ops.where(close, weights, self.weights))
 
     def get_config(self):
         return {"temperature": self.temperature, "window": self.window}
