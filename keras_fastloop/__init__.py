@@ -9,6 +9,7 @@ from keras_fastloop import (
     data,
     mixed_precision,
     schedules,
+    tuning,
     weighting,
 )
 from keras_fastloop.model import OptimizedModel
@@ -23,5 +24,6 @@ __all__ = [
     "data",
     "mixed_precision",
     "schedules",
+    "tuning",
     "weighting",
 ]

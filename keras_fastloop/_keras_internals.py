@@ -5,6 +5,7 @@ else, and ``tests/test_keras_internals.py`` fails loudly if a Keras upgrade move
 """
 
 from keras.src.backend import get_keras_mask
+from keras.src.backend.tensorflow.trainer import reduce_per_replica
 from keras.src.losses.loss import scale_loss_for_distribution, unscale_loss_for_distribution
 from keras.src.models.functional import Functional
 from keras.src.models.model import Trainer, functional_init_arguments
@@ -16,6 +17,7 @@ __all__ = [
     "Trainer",
     "functional_init_arguments",
     "get_keras_mask",
+    "reduce_per_replica",
     "get_loss",
     "scale_loss_for_distribution",
     "serialization_lib",

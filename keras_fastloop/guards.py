@@ -2,7 +2,7 @@
 
 * ``"skip"`` (default): the whole update is skipped on every replica (weights, optimizer slots,
   ``iterations``) and counted in ``skipped_steps``; training goes on. A warning is issued once
-  when more than ``SKIP_RATE_WARNING`` of the last ``SKIP_RATE_WINDOW`` steps were skipped.
+  when more than ``SKIP_RATE_WARNING`` of an epoch's batches were skipped.
 * ``"raise"``: the step fails with ``InvalidArgumentError`` naming the optimizer step and the
   first variable whose gradient is not finite; no update is applied.
 * ``"terminate"``: the update is skipped, every later update is blocked (also inside the same
@@ -16,7 +16,6 @@ only when the *unscaled loss* is non-finite (a real divergence), never on a scal
 
 from __future__ import annotations
 
-import collections
 import warnings
 
 import keras
@@ -71,35 +70,37 @@ def check(policy, state, finite, loss_finite, grads, variables, iterations):
 
 
 class NonFiniteMonitor(keras.callbacks.Callback):
-    """Internal callback of ``OptimizedModel.fit``: stops on "terminate", warns on many skips."""
+    """Internal callback of ``OptimizedModel.fit`` for the non-finite policy.
+
+    For ``"skip"`` it only looks at epoch ends (no per-batch hook, so Keras keeps dispatching
+    batch callbacks asynchronously and the default setup is as fast as plain ``fit``): it warns
+    once when more than ``SKIP_RATE_WARNING`` of the epoch's batches (at least
+    ``SKIP_RATE_WINDOW // 2`` of them) were skipped. For ``"terminate"`` it also checks after
+    every batch (every execution with ``steps_per_execution > 1``) and stops training.
+    """
 
     def __init__(self, policy):
         super().__init__()
         self.policy = policy
-        self.window = collections.deque()  # (batches, skipped) per callback call
         self.warned = False
+        if policy == "terminate":
+            self.on_train_batch_end = self._stop_if_halted
 
-    def on_train_begin(self, logs=None):
-        self.last_skipped = int(self.model.skipped_steps.numpy())
-        self.last_iterations = int(self.model.optimizer.iterations.numpy())
-        self.last_batch = -1
+    def _counters(self):
+        return int(self.model.skipped_steps.numpy()), int(self.model.optimizer.iterations.numpy())
 
     def on_epoch_begin(self, epoch, logs=None):
-        self.last_batch = -1
+        self.start = self._counters()
 
-    def on_train_batch_end(self, batch, logs=None):
-        state = self.model._fastloop_state
-        if self.policy == "terminate" and bool(state.halted.numpy()):
+    def _stop_if_halted(self, batch, logs=None):
+        if bool(self.model._fastloop_state.halted.numpy()):
             self.model.stop_training = True
-            return
-        skipped = int(state.skipped_steps.numpy())
-        # With steps_per_execution=N this runs every N batches, with the last batch's index.
-        self.window.append((batch - self.last_batch, skipped - self.last_skipped))
-        self.last_batch, self.last_skipped = batch, skipped
-        while sum(b for b, _ in self.window) > SKIP_RATE_WINDOW:
-            self.window.popleft()
-        batches = sum(b for b, _ in self.window)
-        rate = sum(s for _, s in self.window) / max(batches, 1)
+
+    def on_epoch_end(self, epoch, logs=None):
+        skipped, iterations = self._counters()
+        skipped -= self.start[0]
+        batches = skipped + iterations - self.start[1]
+        rate = skipped / max(batches, 1)
         if not self.warned and batches >= SKIP_RATE_WINDOW // 2 and rate > SKIP_RATE_WARNING:
             self.warned = True
             warnings.warn(

@@ -12,6 +12,7 @@ so the numbers are Keras' own.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import keras
 from keras import ops
@@ -36,6 +37,18 @@ class Task:
     loss_spec: object
     loss_weight: float = 1.0
     loss_fn: keras.losses.Loss | None = None
+
+
+def _check_loss_identifier(spec):
+    """Fail at compile time, not in the first step, for a loss id Keras does not know."""
+    if isinstance(spec, str) and spec.lower() not in ("crossentropy", "ce"):
+        try:
+            keras.losses.get(spec)
+        except (ValueError, TypeError):
+            raise ValueError(
+                "Unknown loss identifier: expected a loss name from `keras.losses` (e.g. "
+                f"'mse', 'sparse_categorical_crossentropy') or a Loss object. Received: loss={spec!r}"
+            ) from None
 
 
 def _by_task(value, names, what):
@@ -106,11 +119,17 @@ class TaskLosses:
             if spec is None:
                 continue
             weight = 1.0 if weight is None else weight
-            if not isinstance(weight, (int, float)) or weight < 0:
+            if (
+                isinstance(weight, bool)
+                or not isinstance(weight, (int, float))
+                or not math.isfinite(weight)
+                or weight < 0
+            ):
                 raise ValueError(
-                    "Every entry of `loss_weights` must be a non-negative number. "
+                    "Every entry of `loss_weights` must be a finite, non-negative number. "
                     f"Received: loss_weights={self._loss_weights}"
                 )
+            _check_loss_identifier(spec)
             key = None if single else (name if keyed else i)
             tasks.append(Task(name=name, key=key, loss_spec=spec, loss_weight=float(weight)))
         if not tasks:

@@ -580,7 +580,7 @@ def capture_epoch_iterator(model, iterator):
 
 def _variable_steps_function(model, step_function, state):
     """Keras' multi-step loop with the step count as a tensor argument (one trace for all)."""
-    from keras.src.backend.tensorflow.trainer import reduce_per_replica
+    from keras_fastloop._keras_internals import reduce_per_replica
 
     strategy = model.distribute_strategy
 

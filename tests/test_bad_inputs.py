@@ -73,12 +73,13 @@ sched_decreasing_warmup ValueError  `warmup_target` must be >= `initial_learning
 sched_accumulation_0    ValueError  `gradient_accumulation_steps` must be None or an integer >= 1
 ======================  ==========  =============================================================
 
-Known gaps, in files this test's owner does not own (``KNOWN_GAPS``, strict xfail: they start
-failing when fixed, so the marker must then be removed): a ``micro_batch_size`` larger than the
-batch is accepted (micro_batching.py: should be a ValueError at the start of ``fit``, before any
-update); ``loss_weights`` with NaN, an unknown loss id (resolved at the first step, inside
-``fit``) (losses.py / model.py) and ``UncertaintyWeighting(initial_log_variance=nan)``
-(weighting/). A ``micro_batch_size`` that does not divide the batch is *not* an error: the last
+Fixed since the first version of this file (``test_former_gaps_raise_before_training``):
+``loss_weights`` with NaN, an unknown loss id (now rejected at ``compile``), and
+``UncertaintyWeighting(initial_log_variance=nan)``. Still a known gap (``KNOWN_GAPS``, strict
+xfail: it starts failing when fixed, so the marker must then be removed): a ``micro_batch_size``
+larger than the batch is accepted (the batch size is only known inside ``fit``; the step then
+runs one micro-batch, which is exact). A ``micro_batch_size`` that does not divide the batch is
+*not* an error: the last
 micro-batch is smaller and count-weighted, which micro_batching.py documents as exact.
 """
 
@@ -517,9 +518,6 @@ def _uw_nan_initial_log_variance():
 
 KNOWN_GAPS = [
     (_fit_micro_batch_larger_than_batch, r"micro_batch_size.*Received", "micro_batching.py"),
-    (_compile_nan_loss_weight, r"loss_weights.*Received", "losses.py"),
-    (_compile_unknown_loss_id, r"Received", "losses.py / model.py"),
-    (_uw_nan_initial_log_variance, r"initial_log_variance.*Received", "weighting/uncertainty.py"),
 ]
 
 
@@ -533,7 +531,7 @@ KNOWN_GAPS = [
     ],
     ids=[call.__name__.lstrip("_") for call, _, _ in KNOWN_GAPS],
 )
-def test_known_gap_should_raise_before_training(call, message):
+def test_known_gap_should_raise_before_training(call, message):  # noqa: D103
     with pytest.raises(ValueError, match=message):
         call()
 
@@ -614,3 +612,17 @@ def test_config_space_fails_only_with_clear_errors(
     assert int(model.optimizer.iterations.numpy()) == 2
     for weight in model.weights:
         assert np.all(np.isfinite(weight.numpy())), weight.path
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (_compile_nan_loss_weight, r"loss_weights.*finite.*Received"),
+        (_compile_unknown_loss_id, r"Unknown loss identifier.*Received: loss='mean_squared_eror'"),
+        (_uw_nan_initial_log_variance, r"initial_log_variance.*finite.*Received"),
+    ],
+    ids=["compile_nan_loss_weight", "compile_unknown_loss_id", "uw_nan_initial_log_variance"],
+)
+def test_former_gaps_raise_before_training(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()

@@ -82,3 +82,34 @@ def test_merge_call_helpers_exist():
     strategy = tf.distribute.get_strategy()
     assert hasattr(strategy.extended, "call_for_each_replica")
     assert hasattr(tf.distribute.get_replica_context(), "merge_call")
+
+
+def test_every_keras_internal_we_use_still_exists_with_its_signature():
+    """All `keras.src` names are imported in one module; fail loudly when Keras moves them."""
+    import inspect
+
+    from keras_fastloop import _keras_internals as internals
+
+    for name in internals.__all__:
+        assert getattr(internals, name) is not None, name
+    assert list(inspect.signature(internals.get_loss).parameters) == [
+        "identifier",
+        "y_true",
+        "y_pred",
+    ]
+    assert list(inspect.signature(internals.reduce_per_replica).parameters)[:3] == [
+        "values",
+        "strategy",
+        "reduction",
+    ]
+    assert internals.functional_init_arguments((1, 2), {}) is True
+    assert internals.functional_init_arguments((), {}) is False
+    assert issubclass(internals.Functional, internals.Trainer)
+    # Keras rewrites a subclass' bases when it is used functionally; OptimizedModel must not be.
+    import keras
+
+    import keras_fastloop as kf
+
+    i = keras.Input((2,))
+    kf.OptimizedModel(i, keras.layers.Dense(1)(i))
+    assert kf.OptimizedModel.__bases__[-1] is keras.Model

@@ -13,6 +13,7 @@ def test_top_level_all():
             "data",
             "mixed_precision",
             "schedules",
+            "tuning",
             "weighting",
         ]
     )
@@ -45,6 +46,9 @@ def test_submodule_exports():
         kf.mixed_precision.__all__
     )
     assert {"LossWeighting", "get", "METHODS"} <= set(kf.weighting.__all__)
+    assert {"recommended_setup", "StepsPerExecutionTuner", "optimize_pipeline"} <= set(
+        kf.tuning.__all__
+    )
     for module in (
         kf.clipping,
         kf.callbacks,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import keras
 from keras import ops
 
@@ -61,11 +63,13 @@ class UncertaintyWeighting(LossWeighting):
 
     def __init__(self, initial_log_variance=0.0):
         super().__init__()
-        if isinstance(initial_log_variance, bool) or not isinstance(
-            initial_log_variance, (int, float)
+        if (
+            isinstance(initial_log_variance, bool)
+            or not isinstance(initial_log_variance, (int, float))
+            or not math.isfinite(initial_log_variance)
         ):
             raise ValueError(
-                "`initial_log_variance` must be a float. "
+                "`initial_log_variance` must be a finite float. "
                 f"Received: initial_log_variance={initial_log_variance!r}"
             )
         self.initial_log_variance = float(initial_log_variance)
