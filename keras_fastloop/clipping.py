@@ -12,6 +12,8 @@ Every clipper is a callable ``clipper(grads, variables, global_norm) -> grads`` 
 
 from __future__ import annotations
 
+import numbers
+
 import keras
 import tensorflow as tf
 from keras import ops
@@ -32,7 +34,7 @@ __all__ = [
 def _positive(name, value):
     if (
         isinstance(value, bool)
-        or not isinstance(value, (int, float))
+        or not isinstance(value, numbers.Real)
         or not 0 < value < float("inf")
     ):
         raise ValueError(f"`{name}` must be a positive, finite number. Received: {name}={value!r}")
@@ -280,7 +282,9 @@ class AutoClip(GradientClipping):
         return values[lower] + frac * (values[upper] - values[lower])
 
     def __call__(self, grads, variables, global_norm):
-        threshold = self.threshold(global_norm)
+        # A percentile of 0 (e.g. zero-gradient batches so far) would make 0/0: floor it, so a
+        # zero gradient stays zero and anything larger is scaled to (almost) nothing.
+        threshold = ops.maximum(self.threshold(global_norm), 1e-12)
         clipped, _ = tf.clip_by_global_norm(grads, threshold, use_norm=global_norm)
         return clipped
 
@@ -304,7 +308,7 @@ def get(identifier):
     """
     if identifier is None or isinstance(identifier, GradientClipping):
         return identifier
-    if isinstance(identifier, (int, float)) and not isinstance(identifier, bool):
+    if isinstance(identifier, numbers.Real) and not isinstance(identifier, bool):
         return ClipByGlobalNorm(identifier)
     if isinstance(identifier, dict):
         obj = keras.saving.deserialize_keras_object(identifier)

@@ -22,8 +22,9 @@ import keras
 import tensorflow as tf
 from keras import ops
 
-SKIP_RATE_WINDOW = 100
+SKIP_RATE_WINDOW = 100  # batches in the tests' high/low skip-rate epochs
 SKIP_RATE_WARNING = 0.2
+SKIP_RATE_MIN_SKIPS = 5
 
 
 def first_nonfinite_name(grads, variables):
@@ -74,8 +75,8 @@ class NonFiniteMonitor(keras.callbacks.Callback):
 
     For ``"skip"`` it only looks at epoch ends (no per-batch hook, so Keras keeps dispatching
     batch callbacks asynchronously and the default setup is as fast as plain ``fit``): it warns
-    once when more than ``SKIP_RATE_WARNING`` of the epoch's batches (at least
-    ``SKIP_RATE_WINDOW // 2`` of them) were skipped. For ``"terminate"`` it also checks after
+    once when more than ``SKIP_RATE_WARNING`` of an epoch's batches, and at least
+    ``SKIP_RATE_MIN_SKIPS`` of them, were skipped. For ``"terminate"`` it also checks after
     every batch (every execution with ``steps_per_execution > 1``) and stops training.
     """
 
@@ -89,19 +90,27 @@ class NonFiniteMonitor(keras.callbacks.Callback):
     def _counters(self):
         return int(self.model.skipped_steps.numpy()), int(self.model.optimizer.iterations.numpy())
 
+    def on_train_begin(self, logs=None):
+        # A halt ends one fit only (as TerminateOnNaN): the next fit trains again.
+        self.model._fastloop_state.halted.assign(False)
+
     def on_epoch_begin(self, epoch, logs=None):
         self.start = self._counters()
 
     def _stop_if_halted(self, batch, logs=None):
-        if bool(self.model._fastloop_state.halted.numpy()):
+        if bool(self.model._fastloop_state.halted.numpy()) and not self.model.stop_training:
             self.model.stop_training = True
+            print(
+                f"Batch {batch}: non-finite loss or gradient, terminating training "
+                "(compile(nonfinite='terminate')); the weights are those of the last good step."
+            )
 
     def on_epoch_end(self, epoch, logs=None):
         skipped, iterations = self._counters()
         skipped -= self.start[0]
         batches = skipped + iterations - self.start[1]
         rate = skipped / max(batches, 1)
-        if not self.warned and batches >= SKIP_RATE_WINDOW // 2 and rate > SKIP_RATE_WARNING:
+        if not self.warned and skipped >= SKIP_RATE_MIN_SKIPS and rate > SKIP_RATE_WARNING:
             self.warned = True
             warnings.warn(
                 f"{rate:.0%} of the last {batches} training batches had non-finite "

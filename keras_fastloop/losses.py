@@ -152,7 +152,13 @@ class TaskLosses:
         if structure is None or not isinstance(structure, (list, tuple, dict)):
             return structure
         if isinstance(structure, dict):
-            return structure[task.name] if task.name in structure else structure[task.key]
+            for key in (task.name, task.key):
+                if key in structure:
+                    return structure[key]
+            raise ValueError(
+                f"The targets (or sample weights) have no entry for output '{task.name}'. "
+                f"Expected keys {self.names}. Received: keys={sorted(structure)}"
+            )
         if len(structure) == 1 and len(self.tasks) == 1 and task.key in (None, 0):
             return structure[0]
         return structure[index if isinstance(task.key, str) else task.key]

@@ -64,6 +64,8 @@ Not equivalent by construction: layers whose output depends on the other samples
 
 from __future__ import annotations
 
+import numbers
+
 import keras
 import tensorflow as tf
 from keras import ops
@@ -93,14 +95,14 @@ def validate_micro_batch_size(micro_batch_size):
         return None
     if (
         isinstance(micro_batch_size, bool)
-        or not isinstance(micro_batch_size, int)
+        or not isinstance(micro_batch_size, numbers.Integral)
         or micro_batch_size < 1
     ):
         raise ValueError(
             "`micro_batch_size` must be None or a positive integer. "
             f"Received: micro_batch_size={micro_batch_size!r}"
         )
-    return micro_batch_size
+    return int(micro_batch_size)
 
 
 class _CountProbe(keras.losses.Loss):

@@ -14,8 +14,11 @@ def test_default_suite_quick(tmp_path):
     result = default.run(tmp_path, quick=True, progress=lambda line: None)
     names = [row["contender"] for row in result["rows"]]
     assert names[0] == default.BASELINE
-    assert {"seed's GradientTape loop (eager)", "OptimizedModel.fit (features off)",
-            default.VALIDATE_EVERY_2} <= set(names)
+    assert {
+        "seed's GradientTape loop (eager)",
+        "OptimizedModel.fit (features off)",
+        default.VALIDATE_EVERY_2,
+    } <= set(names)
     for row in result["rows"]:
         assert row["throughput_samples_per_s"] > 0
         assert 0.0 <= row["val_accuracy"] <= 1.0

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import platform
 import statistics
@@ -212,11 +213,22 @@ def plot_curves(runs, path, title):
     plt.close(fig)
 
 
+def _strict_json(value):
+    """NaN/inf (e.g. a target loss never reached) become ``null``: the file stays strict JSON."""
+    if isinstance(value, dict):
+        return {k: _strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict_json(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
 def write_report(out_dir: Path, suite: str, markdown: str, payload: dict):
     """Write ``{suite}.md`` and ``{suite}.json`` under ``out_dir``; return their paths."""
     out_dir.mkdir(parents=True, exist_ok=True)
     md_path = out_dir / f"{suite}.md"
     json_path = out_dir / f"{suite}.json"
     md_path.write_text(markdown)
-    json_path.write_text(json.dumps(payload, indent=2, default=float))
+    json_path.write_text(json.dumps(_strict_json(payload), indent=2, default=float))
     return md_path, json_path

@@ -208,6 +208,8 @@ class PeriodicValidation(keras.callbacks.Callback):
                 "`backup_dir` must be None or a non-empty path (the directory of a "
                 f"BackupAndRestore). Received: backup_dir={backup_dir!r}"
             )
+        if isinstance(callbacks, keras.callbacks.Callback):
+            callbacks = [callbacks]
         callbacks = list(callbacks or [])
         for callback in callbacks:
             if not isinstance(callback, keras.callbacks.Callback) or callback is self:
