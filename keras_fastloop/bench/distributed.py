@@ -24,6 +24,8 @@ import pathlib
 import subprocess
 import sys
 
+from keras_fastloop.bench import harness
+
 CLIP = 1.0
 
 
@@ -213,9 +215,8 @@ def run(out_dir: pathlib.Path, quick: bool = False) -> dict:
         ]
     )
     result["markdown"] = markdown
-    (out_dir / "distributed.md").write_text(markdown)
-    (out_dir / "distributed.json").write_text(
-        json.dumps({k: v for k, v in result.items() if k != "markdown"}, indent=2)
+    harness.write_report(
+        out_dir, "distributed", markdown, {k: v for k, v in result.items() if k != "markdown"}
     )
     return result
 

@@ -22,6 +22,8 @@ import subprocess
 import sys
 import tempfile
 
+from keras_fastloop.bench import harness
+
 _SIZE = 64
 
 
@@ -180,9 +182,8 @@ def run(out_dir: pathlib.Path, quick: bool = False) -> dict:
         ]
     )
     result["markdown"] = markdown
-    (out_dir / "micro_batching.md").write_text(markdown)
-    (out_dir / "micro_batching.json").write_text(
-        json.dumps({k: v for k, v in result.items() if k != "markdown"}, indent=2)
+    harness.write_report(
+        out_dir, "micro_batching", markdown, {k: v for k, v in result.items() if k != "markdown"}
     )
     return result
 

@@ -7,6 +7,8 @@ import dataclasses
 import numpy as np
 import tensorflow as tf
 
+from keras_fastloop.data.bucketing import _features_of
+
 __all__ = ["PaddingStats", "padding_stats"]
 
 
@@ -46,12 +48,6 @@ class PaddingStats:
         out = dataclasses.asdict(self)
         out["num_distinct_shapes"] = self.num_distinct_shapes
         return out
-
-
-def _features_of(batch):
-    if isinstance(batch, tuple) and 1 <= len(batch) <= 3:
-        return batch[0]
-    return batch
 
 
 def _default_sequence(batch):
