@@ -32,11 +32,11 @@ loss_list_length        ValueError  `loss` must have one entry per output
 loss_none               ValueError  OptimizedModel needs a `loss` in `compile()`
 loss_weights_unknown    ValueError  `loss_weights` has keys that are not outputs of the model
 loss_weights_length     ValueError  `loss_weights` must have one entry per output
-loss_weights_negative   ValueError  Every entry of `loss_weights` must be a non-negative number
-loss_weights_string     ValueError  Every entry of `loss_weights` must be a non-negative number
+loss_weights_negative   ValueError  Every entry of `loss_weights` must be a finite, non-negative number
+loss_weights_string     ValueError  Every entry of `loss_weights` must be a finite, non-negative number
 loss_weights_float_2out ValueError  A single float `loss_weights` is only valid for a single-...
 gradient_weighting_mb   ValueError  Gradient-based loss weighting cannot be combined with ...
-uw_initial_string       ValueError  `initial_log_variance` must be a float
+uw_initial_string       ValueError  `initial_log_variance` must be a finite float
 dwa_temperature_zero    ValueError  `temperature` must be a positive number
 nonfinite_unknown       ValueError  `nonfinite` must be one of ('skip', 'raise', 'terminate')
 micro_batch_zero        ValueError  `micro_batch_size` must be None or a positive integer
@@ -279,13 +279,13 @@ BAD_INPUTS = [
         "loss_weights_negative",
         lambda: compile_two(loss_weights={"a": -1.0, "b": 1.0}),
         ValueError,
-        r"Every entry of `loss_weights` must be a non-negative number\. Received: loss_weights=",
+        r"Every entry of `loss_weights` must be a finite, non-negative number\. Received: loss_weights=",
     ),
     (
         "loss_weights_string",
         lambda: compile_two(loss_weights={"a": "x", "b": 1.0}),
         ValueError,
-        r"Every entry of `loss_weights` must be a non-negative number\. Received: loss_weights=",
+        r"Every entry of `loss_weights` must be a finite, non-negative number\. Received: loss_weights=",
     ),
     (
         "loss_weights_float_2out",
@@ -303,7 +303,7 @@ BAD_INPUTS = [
         "uw_initial_string",
         lambda: kf.weighting.UncertaintyWeighting(initial_log_variance="x"),
         ValueError,
-        r"`initial_log_variance` must be a float\. Received: initial_log_variance='x'",
+        r"`initial_log_variance` must be a finite float\. Received: initial_log_variance='x'",
     ),
     (
         "dwa_temperature_zero",
