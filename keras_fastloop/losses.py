@@ -181,9 +181,10 @@ class TaskLosses:
             y = [y.get(n) for n in self._output_names]
         values = []
         for i, task in enumerate(self.tasks):
-            y_t = self._pick(y, task, self._output_index(task, i))
-            y_p = self._pick(y_pred, task, self._output_index(task, i))
-            sw = self._pick(sample_weight, task, self._output_index(task, i))
+            index = self._output_index(task, i)
+            y_t = self._pick(y, task, index)
+            y_p = self._pick(y_pred, task, index)
+            sw = self._pick(sample_weight, task, index)
             if task.loss_fn is None:
                 task.loss_fn = internals.get_loss(task.loss_spec, y_t, y_p)
             values.append(ops.cast(task.loss_fn(y_t, y_p, sw), "float32"))

@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 import keras
-import numpy as np
 import tensorflow as tf
 
 from keras_fastloop import mixed_precision, tuning
@@ -334,11 +333,3 @@ def _flops_section(rows, choice, choice_seconds):
         f'{timed or "not timed"}), `steps_per_execution="auto"`, tf.data autotune + prefetch.'
     )
     return "\n".join(lines) + "\n"
-
-
-def initial_weights_equal(models) -> bool:
-    """True when all models hold the same weights (used by tests of the harness)."""
-    first = models[0].get_weights()
-    return all(
-        all(np.array_equal(a, b) for a, b in zip(first, m.get_weights())) for m in models[1:]
-    )
