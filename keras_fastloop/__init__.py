@@ -12,12 +12,13 @@ from keras_fastloop import (
     tuning,
     weighting,
 )
-from keras_fastloop.model import OptimizedModel
+from keras_fastloop.model import OptimizedModel, OptimizedSequential
 
 __version__ = "0.1.0"
 
 __all__ = [
     "OptimizedModel",
+    "OptimizedSequential",
     "__version__",
     "callbacks",
     "clipping",

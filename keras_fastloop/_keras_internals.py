@@ -10,9 +10,27 @@ from keras.src.losses.loss import scale_loss_for_distribution, unscale_loss_for_
 from keras.src.models.functional import Functional
 from keras.src.models.model import Trainer, functional_init_arguments
 from keras.src.saving import serialization_lib
-from keras.src.trainers.compile_utils import get_loss
+from keras.src.trainers.compile_utils import CompileLoss, get_loss
+
+
+def compile_loss_entries(compile_loss):
+    """A built ``CompileLoss``' resolved entries: ``(path, loss, loss_weights, name)`` tuples.
+
+    ``CompileLoss.call`` evaluates ``entry.loss(y_true_at_path, y_pred_at_path, sample_weight)``
+    for each entry in order, updates ``compile_loss.metrics[i]`` with the unweighted value (when
+    there is more than one entry) and multiplies by ``entry.loss_weights`` unless it is ``None``.
+    """
+    return list(compile_loss._flat_losses)
+
+
+def set_compile_loss_entries(compile_loss, entries):
+    compile_loss._flat_losses = list(entries)
+
 
 __all__ = [
+    "CompileLoss",
+    "compile_loss_entries",
+    "set_compile_loss_entries",
     "Functional",
     "Trainer",
     "functional_init_arguments",

@@ -27,8 +27,31 @@ __all__ = [
     "ClipByNorm",
     "ClipByValue",
     "GradientClipping",
+    "deduplicate",
     "get",
 ]
+
+
+def deduplicate(gradient):
+    """The same gradient with each row of an ``IndexedSlices`` present once.
+
+    An ``Embedding``'s gradient is a ``tf.IndexedSlices`` with one row per looked-up id, so an id
+    that occurs ``k`` times contributes ``k`` rows whose sum is the dense gradient's row. Norms
+    (and element-wise clipping) of the raw slices are not those of the gradient: this sums the
+    duplicate rows (``tf.math.unsorted_segment_sum`` over the unique ids), without densifying the
+    table. Dense tensors are returned unchanged.
+
+    Args:
+        gradient: a tensor or ``tf.IndexedSlices``.
+
+    Returns:
+        A tensor, or ``tf.IndexedSlices`` with unique ``indices``.
+    """
+    if not isinstance(gradient, tf.IndexedSlices):
+        return gradient
+    unique, position = tf.unique(gradient.indices)
+    rows = tf.math.unsorted_segment_sum(gradient.values, position, tf.shape(unique)[0])
+    return tf.IndexedSlices(rows, unique, gradient.dense_shape)
 
 
 def _positive(name, value):

@@ -1,12 +1,13 @@
-"""Per-task losses: the unweighted loss of every output of a compiled model.
+"""Per-task losses on Keras' own ``CompileLoss``.
 
-Keras' ``CompileLoss`` returns only the weighted sum of its outputs' losses, with the weights
-baked into the traced step. The step of :class:`~keras_fastloop.OptimizedModel` needs each task's
-loss on its own (to log it, to weight it with values held in variables, and to take per-task
-gradients), so it resolves the ``loss`` argument of ``compile()`` into :class:`Task` entries here.
-Each loss is the same Keras ``Loss`` object ``keras.Model`` would use (``sum_over_batch_size``
-reduction, masks, sample weights and the ``1 / num_replicas`` scaling under ``tf.distribute``),
-so the numbers are Keras' own.
+Keras' ``CompileLoss`` resolves every structure ``compile(loss=..., loss_weights=...)`` accepts
+(nested outputs, dict keys that are not layer names, outputs that share a tensor, lists inside
+dicts) and keeps one unweighted ``{name}_loss`` tracker per output, but returns only the
+weighted sum, with the weights baked into the trace as Python floats.
+:class:`TaskLoss` keeps all of Keras' resolution and adds the two things the step of
+:class:`~keras_fastloop.OptimizedModel` needs: each task's unweighted loss on its own (with the
+``y_true``/``y_pred``/``sample_weight`` Keras picked for it), and trackers that record only
+when the step says so (a skipped step leaves them untouched).
 """
 
 from __future__ import annotations
@@ -15,195 +16,194 @@ import dataclasses
 import math
 
 import keras
-from keras import ops
+from keras import ops, tree
 
 from keras_fastloop import _keras_internals as internals
 
 
-@dataclasses.dataclass
-class Task:
-    """One output of the model that has a loss.
+@dataclasses.dataclass(frozen=True)
+class TaskTerm:
+    """One task's loss in one call.
 
     Attributes:
-        name: the output's name (``"{name}_loss"`` is its log key).
-        key: index (list outputs) or key (dict outputs) of the output; ``None`` for a single output.
-        loss_spec: the user's loss identifier (string, function or ``keras.losses.Loss``).
-        loss_weight: the static weight from ``loss_weights`` (``1.0`` when not given).
-        loss_fn: the resolved ``keras.losses.Loss`` (set on the first call).
+        name: the task's name (its log key is ``"{name}_loss"``).
+        value: float32 scalar, the unweighted loss (divided by the number of replicas under
+            ``tf.distribute``, as Keras' losses are).
+        y_true, y_pred, sample_weight: what Keras passed to the task's loss function.
+        loss_fn: the resolved ``keras.losses.Loss``.
     """
 
     name: str
-    key: int | str | None
-    loss_spec: object
-    loss_weight: float = 1.0
-    loss_fn: keras.losses.Loss | None = None
+    value: object
+    y_true: object
+    y_pred: object
+    sample_weight: object
+    loss_fn: object
 
 
-def _check_loss_identifier(spec):
-    """Fail at compile time, not in the first step, for a loss id Keras does not know."""
-    if isinstance(spec, str) and spec.lower() not in ("crossentropy", "ce"):
-        try:
-            keras.losses.get(spec)
-        except (ValueError, TypeError):
-            raise ValueError(
-                "Unknown loss identifier: expected a loss name from `keras.losses` (e.g. "
-                f"'mse', 'sparse_categorical_crossentropy') or a Loss object. Received: loss={spec!r}"
-            ) from None
+class _TaskLossTracker(keras.metrics.Mean):
+    """``Mean`` that ignores ``CompileLoss``' own per-call update; the step calls :meth:`record`."""
+
+    def update_state(self, values, sample_weight=None):
+        del values, sample_weight
+
+    def record(self, value, batch_size):
+        keras.metrics.Mean.update_state(
+            self, internals.unscale_loss_for_distribution(value), sample_weight=batch_size
+        )
 
 
-def _by_task(value, names, what):
-    """Spread a per-output argument (single value, list or dict) over the output names."""
-    if isinstance(value, dict):
-        unknown = sorted(set(value) - set(names))
-        if unknown:
-            raise ValueError(
-                f"`{what}` has keys that are not outputs of the model {names}. "
-                f"Received: {what}={value}"
-            )
-        return [value.get(n) for n in names]
-    if isinstance(value, (list, tuple)):
-        if len(value) != len(names):
-            raise ValueError(
-                f"`{what}` must have one entry per output ({len(names)}: {names}). "
-                f"Received: {what}={value}"
-            )
-        return list(value)
-    return [value] * len(names)
+class _Recorder:
+    """Stands in for one entry's loss function inside ``CompileLoss.call``; remembers the call."""
+
+    def __init__(self, owner, name, loss_fn):
+        self.owner, self.name, self.loss_fn = owner, name, loss_fn
+
+    def __call__(self, y_true, y_pred, sample_weight=None):
+        value = ops.cast(self.loss_fn(y_true, y_pred, sample_weight), "float32")
+        self.owner._terms.append(
+            TaskTerm(self.name, value, y_true, y_pred, sample_weight, self.loss_fn)
+        )
+        return value
 
 
-class TaskLosses:
-    """Resolves ``compile(loss=..., loss_weights=...)`` into per-task unweighted losses.
-
-    Args:
-        loss: what ``keras.Model.compile`` accepts: a loss identifier for every output, or a list
-            or dict with one per output (``None`` entries mean "no loss for this output").
-        loss_weights: ``None``, a float (single output), or a list or dict with one float per
-            output. Default ``None`` (all 1.0).
-        output_names: the model's output names, when known at compile time.
+def check_loss_weights(loss_weights):
+    """Every number in ``loss_weights`` (any structure) must be finite and non-negative.
 
     Raises:
-        ValueError: if ``loss_weights`` or a list/dict ``loss`` does not match the outputs, or a
-            weight is negative or not a number.
+        ValueError: otherwise, naming the argument as given.
+    """
+    if loss_weights is None:
+        return
+    for weight in tree.flatten(loss_weights):
+        if weight is None:
+            continue
+        if (
+            isinstance(weight, bool)
+            or not isinstance(weight, (int, float))
+            or not math.isfinite(weight)
+            or weight < 0
+        ):
+            raise ValueError(
+                "Every entry of `loss_weights` must be a finite, non-negative number. "
+                f"Received: loss_weights={loss_weights}"
+            )
+
+
+def check_loss_identifiers(loss):
+    """Fail at ``compile()``, not in the first step, for a loss name Keras does not know."""
+    for spec in tree.flatten(loss):
+        if isinstance(spec, str) and spec.lower() not in ("crossentropy", "ce"):
+            try:
+                keras.losses.get(spec)
+            except (ValueError, TypeError):
+                raise ValueError(
+                    "Unknown loss identifier: expected a loss name from `keras.losses` (e.g. "
+                    "'mse', 'sparse_categorical_crossentropy') or a Loss object. "
+                    f"Received: loss={spec!r}"
+                ) from None
+
+
+def check_keys(argument, value, model):
+    """A dict ``loss``/``loss_weights`` of a functional model may only name its outputs.
+
+    Accepted keys: the output names and, for dict outputs, the dict's keys.
+
+    Raises:
+        ValueError: naming the unknown keys and the outputs that exist.
+    """
+    if not isinstance(value, dict) or not hasattr(model, "_outputs_struct"):
+        return
+    valid = list(getattr(model, "output_names", None) or [])
+    if isinstance(model._outputs_struct, dict):
+        valid += [k for k in model._outputs_struct if k not in valid]
+    unknown = [k for k in value if k not in valid]
+    if unknown:
+        raise ValueError(
+            f"`{argument}` names outputs the model does not have: {unknown}. The model's "
+            f"outputs are {valid}. Received: {argument}={value}"
+        )
+
+
+def check_loss_weights_count(loss, loss_weights, model):
+    """A list ``loss_weights`` of a functional model needs one weight per loss.
+
+    Raises:
+        ValueError: when the counts differ (Keras would find out only in the first step).
+    """
+    if not isinstance(loss_weights, (list, tuple)) or not hasattr(model, "_outputs_struct"):
+        return
+    if isinstance(loss, (list, tuple, dict)):
+        expected = len([spec for spec in tree.flatten(loss) if spec is not None])
+    else:
+        expected = len(tree.flatten(model._outputs_struct))
+    if len(tree.flatten(loss_weights)) != expected:
+        raise ValueError(
+            f"`loss_weights` must have one weight per loss ({expected}). "
+            f"Received: loss_weights={loss_weights}"
+        )
+
+
+class TaskLoss(internals.CompileLoss):
+    """Keras' ``CompileLoss`` that returns each task's unweighted loss.
+
+    Args:
+        loss, loss_weights, output_names: as ``keras.Model.compile`` / ``CompileLoss``.
+
+    Attributes (after the first call, i.e. once the outputs are known):
+        names: the task names, in Keras' order (the order of ``{name}_loss`` logs).
+        static_weights: the float weight of every task from ``loss_weights`` (1.0 if unset).
+        trackers: the ``{name}_loss`` metrics (multi-task models only, as in Keras).
     """
 
     def __init__(self, loss, loss_weights=None, output_names=None):
-        self._loss = loss
-        self._loss_weights = loss_weights
-        self._output_names = list(output_names) if output_names else None
-        self.tasks: list[Task] | None = None
-        self.trackers: list[keras.metrics.Mean] = []
-        if self._output_names:
-            self._resolve(self._output_names, keyed=isinstance(loss, dict))
+        super().__init__(loss, loss_weights, output_names=output_names)
+        self.names = None
+        self.static_weights = None
+        self._terms = []
+
+    def build(self, y_true, y_pred):
+        super().build(y_true, y_pred)
+        entries = internals.compile_loss_entries(self)
+        self.names = [e.name for e in entries]
+        self.static_weights = [
+            1.0 if e.loss_weights is None else float(e.loss_weights) for e in entries
+        ]
+        internals.set_compile_loss_entries(
+            self,
+            [e._replace(loss=_Recorder(self, e.name, e.loss), loss_weights=None) for e in entries],
+        )
+        trackers = self.metrics
+        trackers[:] = [_TaskLossTracker(name=m.name) for m in trackers]
+
+    def call(self, y_true, y_pred, sample_weight=None):
+        for argument, given in (("targets", y_true), ("sample weights", sample_weight)):
+            if isinstance(given, dict) and isinstance(y_pred, dict):
+                needed = [k for k in y_pred if self._has_loss(k)]
+                missing = [k for k in needed if k not in given]
+                if missing:
+                    raise ValueError(
+                        f"The {argument} have no entry for output '{missing[0]}'. Expected "
+                        f"keys {needed}. Received: keys={sorted(given)}"
+                    )
+        return super().call(y_true, y_pred, sample_weight)
+
+    def _has_loss(self, key):
+        loss = self._user_loss
+        return not isinstance(loss, dict) or loss.get(key) is not None
 
     @property
-    def built(self):
-        return self.tasks is not None
+    def trackers(self):
+        return self.metrics
 
-    @property
-    def names(self):
-        return [t.name for t in self.tasks] if self.tasks else []
+    def evaluate(self, y_true, y_pred, sample_weight=None):
+        """Every task's :class:`TaskTerm` for one batch, in task order (no tracker update)."""
+        self._terms = []
+        self(y_true, y_pred, sample_weight)
+        terms, self._terms = self._terms, []
+        return terms
 
-    def _resolve(self, names, keyed, single=False):
-        if not isinstance(self._loss, (list, tuple, dict)):
-            specs = [self._loss] * len(names)
-        else:
-            specs = _by_task(self._loss, names, "loss")
-        if isinstance(self._loss_weights, (int, float)) and len(names) > 1:
-            raise ValueError(
-                "A single float `loss_weights` is only valid for a single-output model. "
-                f"Received: loss_weights={self._loss_weights}"
-            )
-        weights = _by_task(self._loss_weights, names, "loss_weights")
-        tasks = []
-        for i, (name, spec, weight) in enumerate(zip(names, specs, weights)):
-            if spec is None:
-                continue
-            weight = 1.0 if weight is None else weight
-            if (
-                isinstance(weight, bool)
-                or not isinstance(weight, (int, float))
-                or not math.isfinite(weight)
-                or weight < 0
-            ):
-                raise ValueError(
-                    "Every entry of `loss_weights` must be a finite, non-negative number. "
-                    f"Received: loss_weights={self._loss_weights}"
-                )
-            _check_loss_identifier(spec)
-            key = None if single else (name if keyed else i)
-            tasks.append(Task(name=name, key=key, loss_spec=spec, loss_weight=float(weight)))
-        if not tasks:
-            raise ValueError(f"`loss` gives no output a loss. Received: loss={self._loss}")
-        self.tasks = tasks
-        if len(tasks) > 1:
-            self.trackers = [keras.metrics.Mean(name=f"{t.name}_loss") for t in tasks]
-
-    def build(self, y_pred):
-        """Resolve the tasks from the first predictions (models without output names)."""
-        if isinstance(y_pred, dict):
-            self._resolve(list(y_pred), keyed=True)
-        elif isinstance(y_pred, (list, tuple)):
-            self._resolve([f"output_{i}" for i in range(len(y_pred))], keyed=False)
-        else:
-            self._resolve(["output"], keyed=False, single=True)
-
-    def _pick(self, structure, task, index):
-        """The part of ``y``/``y_pred``/``sample_weight`` that belongs to ``task``."""
-        if structure is None or not isinstance(structure, (list, tuple, dict)):
-            return structure
-        if isinstance(structure, dict):
-            for key in (task.name, task.key):
-                if key in structure:
-                    return structure[key]
-            raise ValueError(
-                f"The targets (or sample weights) have no entry for output '{task.name}'. "
-                f"Expected keys {self.names}. Received: keys={sorted(structure)}"
-            )
-        if len(structure) == 1 and len(self.tasks) == 1 and task.key in (None, 0):
-            return structure[0]
-        return structure[index if isinstance(task.key, str) else task.key]
-
-    def __call__(self, y, y_pred, sample_weight=None):
-        """Unweighted loss of every task, in task order.
-
-        Args:
-            y: targets, a tensor or a list/dict with one tensor per output.
-            y_pred: the model's outputs (same structure as the model returns).
-            sample_weight: ``None``, one tensor for all outputs, or a list/dict per output.
-
-        Returns:
-            List of float32 scalar tensors, one per task (already divided by the number of
-            replicas under ``tf.distribute``, as Keras' own losses are).
-        """
-        if not self.built:
-            self.build(y_pred)
-        if isinstance(y_pred, (list, tuple)) and isinstance(y, dict) and self._output_names:
-            y = [y.get(n) for n in self._output_names]
-        values = []
-        for i, task in enumerate(self.tasks):
-            index = self._output_index(task, i)
-            y_t = self._pick(y, task, index)
-            y_p = self._pick(y_pred, task, index)
-            sw = self._pick(sample_weight, task, index)
-            if task.loss_fn is None:
-                task.loss_fn = internals.get_loss(task.loss_spec, y_t, y_p)
-            values.append(ops.cast(task.loss_fn(y_t, y_p, sw), "float32"))
-        return values
-
-    def _output_index(self, task, i):
-        if isinstance(task.key, int):
-            return task.key
-        if self._output_names and task.name in self._output_names:
-            return self._output_names.index(task.name)
-        return i
-
-    def update_trackers(self, values, batch_size):
-        """Record each task's unweighted loss (undoing the per-replica scaling) for the logs."""
+    def record(self, values, batch_size):
+        """Update the ``{name}_loss`` trackers with unweighted per-replica task losses."""
         for tracker, value in zip(self.trackers, values):
-            tracker.update_state(
-                internals.unscale_loss_for_distribution(value), sample_weight=batch_size
-            )
-
-    @property
-    def static_weights(self):
-        return [t.loss_weight for t in self.tasks]
+            tracker.record(value, batch_size)

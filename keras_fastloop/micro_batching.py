@@ -71,6 +71,7 @@ import tensorflow as tf
 from keras import ops
 
 from keras_fastloop import _keras_internals as internals
+from keras_fastloop._step import StepResult
 
 _DIVIDING_REDUCTIONS = ("sum_over_batch_size", "mean", "mean_with_sample_weight")
 
@@ -145,58 +146,42 @@ def _slice(structure, start, size):
     return tf.nest.map_structure(cut, structure)
 
 
-def _task_parts(tasks, y, y_pred, sample_weight):
-    """``(y_true, y_pred, sample_weight)`` of every task, picked as :class:`TaskLosses` does."""
-    if isinstance(y_pred, (list, tuple)) and isinstance(y, dict) and tasks._output_names:
-        y = [y.get(n) for n in tasks._output_names]
-    parts = []
-    for i, task in enumerate(tasks.tasks):
-        index = tasks._output_index(task, i)
-        parts.append(
-            (
-                tasks._pick(y, task, index),
-                tasks._pick(y_pred, task, index) if y_pred is not None else None,
-                tasks._pick(sample_weight, task, index),
-            )
-        )
-    return parts
-
-
 def _call(model, x, training):
     if model._call_has_training_arg:
         return model(x, training=training)
     return model(x)
 
 
-def _detect_masks(model, x):
-    """Trace the model once, symbolically, to learn which tasks' predictions carry a Keras mask.
+def _spec(structure):
+    """``tf.TensorSpec`` of every tensor in ``structure``, batch dimension unknown."""
+    if structure is None:
+        return None
+    return tf.nest.map_structure(
+        lambda t: tf.TensorSpec([None] + list(t.shape[1:]), t.dtype), structure
+    )
 
-    Nothing runs: a throwaway concrete function is traced on the micro-batch's signature. Also
-    resolves the tasks and builds the loss weighting (creating their variables here, outside the
-    loop) when the model's outputs were not known at ``compile()``.
+
+def _detect_masks(model, x, y, sample_weight):
+    """Trace the step's loss once, symbolically, to learn which tasks' predictions carry a mask.
+
+    Nothing runs: a throwaway concrete function is traced on the micro-batch's signature (the
+    tasks and the weighting were built by Keras' symbolic build before training).
 
     Returns:
         A list of bools, one per task.
     """
     found = {}
 
-    def scratch(x_spec):
+    def scratch(x_spec, y_spec, sw_spec):
         y_pred = _call(model, x_spec, training=False)
-        flat = tf.nest.flatten(y_pred)
-        found["structure"] = tf.nest.pack_sequence_as(y_pred, [None] * len(flat))
-        found["masked"] = tf.nest.pack_sequence_as(
-            y_pred, [internals.get_keras_mask(p) is not None for p in flat]
-        )
+        terms = model._compile_loss.evaluate(y_spec, y_pred, sw_spec)
+        found["masked"] = [internals.get_keras_mask(t.y_pred) is not None for t in terms]
         return tf.constant(0)
 
-    spec = tf.nest.map_structure(lambda t: tf.TensorSpec([None] + list(t.shape[1:]), t.dtype), x)
-    tf.function(scratch, autograph=False).get_concrete_function(spec)
-    tasks = model._task_losses
-    if not tasks.built:
-        tasks.build(found["structure"])
-    if not model._loss_weighting.task_names:
-        model._build_weighting()
-    return [bool(parts[1]) for parts in _task_parts(tasks, None, found["masked"], None)]
+    tf.function(scratch, autograph=False).get_concrete_function(
+        _spec(x), _spec(y), _spec(sample_weight)
+    )
+    return found["masked"]
 
 
 def _for_each_micro_batch(n, k, body, carry):
@@ -223,41 +208,39 @@ def _for_each_micro_batch(n, k, body, carry):
     return tf.cond(rest > 0, lambda: body(start, rest, carry), lambda: carry)
 
 
-def _reduction(task):
-    reduction = task.loss_fn.reduction
+def _reduction(term):
+    reduction = term.loss_fn.reduction
     if reduction not in ("sum", *_DIVIDING_REDUCTIONS):
         raise ValueError(
             "`micro_batch_size` needs every loss to reduce to a scalar (reduction "
             f"'sum_over_batch_size', 'mean', 'mean_with_sample_weight' or 'sum'). Task "
-            f"'{task.name}' has reduction={reduction!r}. Received: loss={task.loss_spec!r}"
+            f"'{term.name}' has reduction={reduction!r}. Received: loss={term.loss_fn!r}"
         )
     return reduction
 
 
 def _masked_denominators(model, x, y, sample_weight, n, k, masked):
     """Full-batch denominator of every masked task (0 for the others), from a no-tape pass."""
-    tasks = model._task_losses
     probes = {}
 
     def body(start, size, carry):
         (total,) = carry
         y_pred = _call(model, _slice(x, start, size), training=False)
-        parts = _task_parts(
-            tasks, _slice(y, start, size), y_pred, _slice(sample_weight, start, size)
+        terms = model._compile_loss.evaluate(
+            _slice(y, start, size), y_pred, _slice(sample_weight, start, size)
         )
         counts = []
-        for task, is_masked, (y_t, y_p, sw_t) in zip(tasks.tasks, masked, parts):
-            if task.loss_fn is None:
-                task.loss_fn = internals.get_loss(task.loss_spec, y_t, y_p)
-            if not is_masked or _reduction(task) == "sum":
+        for i, (term, is_masked) in enumerate(zip(terms, masked)):
+            if not is_masked or _reduction(term) == "sum":
                 counts.append(tf.constant(0.0))
                 continue
-            probe = probes.setdefault(task.name, _CountProbe(task.loss_fn))
-            sw = sw_t if task.loss_fn.reduction == "mean_with_sample_weight" else None
-            counts.append(ops.cast(probe(y_t, y_p, sw), "float32"))
+            probe = probes.setdefault(i, _CountProbe(term.loss_fn))
+            sw = term.sample_weight if term.loss_fn.reduction == "mean_with_sample_weight" else None
+            counts.append(ops.cast(probe(term.y_true, term.y_pred, sw), "float32"))
         return (total + ops.stack(counts),)
 
-    (total,) = _for_each_micro_batch(n, k, body, (tf.zeros([len(tasks.tasks)], "float32"),))
+    num_tasks = len(model._compile_loss.names)
+    (total,) = _for_each_micro_batch(n, k, body, (tf.zeros([num_tasks], "float32"),))
     return total, probes
 
 
@@ -273,14 +256,58 @@ def _loss_coefficients(weighting, losses):
     return ops.stop_gradient(coefficients)
 
 
+def _task_sample_weights(model, sample_weight):
+    """Each task's full-batch sample weight, picked by Keras' rule (by path when nested)."""
+    entries = internals.compile_loss_entries(model._compile_loss)
+    if sample_weight is None or not tf.nest.is_nested(sample_weight):
+        return [sample_weight] * len(entries)
+    picked = []
+    for entry in entries:
+        value = sample_weight
+        for key in entry.path:
+            value = value[key]
+        picked.append(value)
+    return picked
+
+
+def _metrics_snapshot(model):
+    """``(update, undo)`` of the compiled metrics: ``undo`` restores their values from now."""
+    compile_metrics = model._compile_metrics
+    if compile_metrics is None:
+        return (lambda *args: None), None
+    variables = compile_metrics.variables
+    saved = [tf.identity(v.value) for v in variables]
+
+    def undo():
+        for variable, value in zip(variables, saved):
+            variable.assign(value)
+
+    return compile_metrics.update_state, undo
+
+
+def _share(term, masked, probe, mask_total, weight_total, size, n):
+    """Micro-batch ``m``'s share ``D_m / D`` of the full batch's loss denominator (see above)."""
+    reduction = _reduction(term)
+    if reduction == "sum":
+        return tf.constant(1.0)
+    if masked:
+        sw = term.sample_weight if reduction == "mean_with_sample_weight" else None
+        count = ops.cast(probe(term.y_true, term.y_pred, sw), "float32")
+        return ops.divide_no_nan(count, mask_total)
+    if reduction == "mean_with_sample_weight" and term.sample_weight is not None:
+        return ops.divide_no_nan(ops.sum(ops.cast(term.sample_weight, "float32")), weight_total)
+    return ops.cast(size, "float32") / ops.cast(n, "float32")
+
+
 def accumulate(model, x, y, sample_weight, variables, micro_batch_size):
     """Loss-scaled gradient of the full batch's objective, one micro-batch at a time.
 
-    Called by ``OptimizedModel.train_step`` (per replica under ``tf.distribute``) when
+    Called by the trainer's ``train_step`` (per replica under ``tf.distribute``) when
     ``compile(micro_batch_size=k)`` is set. See the module docstring for the weighting.
 
     Args:
-        model: the compiled :class:`~keras_fastloop.OptimizedModel`.
+        model: the compiled model (:class:`~keras_fastloop.OptimizedModel` or
+            :class:`~keras_fastloop.OptimizedSequential`).
         x: inputs, a tensor or a nest of tensors with the batch (``n`` samples, may be unknown
             while tracing) on axis 0.
         y: targets, same batch layout (a tensor, list or dict per output).
@@ -291,12 +318,12 @@ def accumulate(model, x, y, sample_weight, variables, micro_batch_size):
             when ``k`` does not divide ``n``.
 
     Returns:
-        ``(grads, logs)``: ``grads`` is a list of tensors shaped like ``variables``, the gradient
-        of ``optimizer.scale_loss(objective)`` for the whole batch (before the cross-replica sum,
-        unscaling and clipping, which the step does once). ``logs`` holds the model's metric
-        results (loss trackers updated once with the full-batch values, compiled metrics once
-        per micro-batch) plus ``"_weights"``, the weighting's weight vector at the full-batch
-        losses, and ``"_losses"``, the list of full-batch per-task losses.
+        A :class:`~keras_fastloop._step.StepResult`: the gradient of
+        ``optimizer.scale_loss(objective)`` for the whole batch (before the cross-replica sum,
+        unscaling and clipping, which the step does once; ``None`` for variables no micro-batch
+        reaches), the full-batch losses and weights. The compiled metrics were updated once per
+        micro-batch (their sums and counts add up to the full batch's); ``undo_metrics``
+        restores them if the step is skipped.
 
     Raises:
         ValueError: a loss with ``reduction=None``/``"none"``.
@@ -307,71 +334,57 @@ def accumulate(model, x, y, sample_weight, variables, micro_batch_size):
         >>> model.fit(x, y, batch_size=16)  # 4 micro-batches, one update per batch
     """
     k = int(micro_batch_size)
-    tasks = model._task_losses
+    task_loss = model._compile_loss
     weighting = model._loss_weighting
-    masked = _detect_masks(model, x)
-    num_tasks = len(tasks.tasks)
+    masked = _detect_masks(model, x, y, sample_weight)
+    num_tasks = len(masked)
     n = tf.shape(_first_tensor(x), out_type=tf.int32)[0]
-    n_float = ops.cast(n, "float32")
-
-    full_parts = _task_parts(tasks, None, None, sample_weight)
     weight_totals = [
-        None if sw is None else ops.sum(ops.cast(sw, "float32")) for _, _, sw in full_parts
+        None if sw is None else ops.sum(ops.cast(sw, "float32"))
+        for sw in _task_sample_weights(model, sample_weight)
     ]
     if any(masked):
         mask_totals, probes = _masked_denominators(model, x, y, sample_weight, n, k, masked)
     else:
-        mask_totals, probes = None, {}
-
+        mask_totals, probes = tf.zeros([num_tasks]), {}
+    update_metrics, undo_metrics = _metrics_snapshot(model)
     connected = [False] * len(variables)
 
     def body(start, size, carry):
         grad_acc, loss_acc, reg_acc = carry
-        x_m = _slice(x, start, size)
-        y_m = _slice(y, start, size)
-        sw_m = _slice(sample_weight, start, size)
-        size_float = ops.cast(size, "float32")
+        x_m, y_m, sw_m = (_slice(t, start, size) for t in (x, y, sample_weight))
         with tf.GradientTape() as tape:
             y_pred = _call(model, x_m, training=True)
-            losses = tasks(y_m, y_pred, sw_m)
-            shares = []
-            parts = _task_parts(tasks, y_m, y_pred, sw_m)
-            for i, (task, (y_t, y_p, sw_t)) in enumerate(zip(tasks.tasks, parts)):
-                has_mask = internals.get_keras_mask(y_p) is not None
-                if has_mask != masked[i]:
+            terms = task_loss.evaluate(y_m, y_pred, sw_m)
+            contributions = []
+            for i, term in enumerate(terms):
+                if (internals.get_keras_mask(term.y_pred) is not None) != masked[i]:
                     raise RuntimeError(
-                        f"The prediction for task '{task.name}' carries a Keras mask in "
+                        f"The prediction for task '{term.name}' carries a Keras mask in "
                         "training mode but not in inference mode (or the reverse); "
                         "`micro_batch_size` cannot weight it exactly. "
                         f"Received: micro_batch_size={k}"
                     )
-                reduction = _reduction(task)
-                if reduction == "sum":
-                    shares.append(tf.constant(1.0))
-                elif masked[i]:
-                    sw = sw_t if reduction == "mean_with_sample_weight" else None
-                    count = ops.cast(probes[task.name](y_t, y_p, sw), "float32")
-                    shares.append(ops.divide_no_nan(count, mask_totals[i]))
-                elif reduction == "mean_with_sample_weight" and sw_t is not None:
-                    part = ops.sum(ops.cast(sw_t, "float32"))
-                    shares.append(ops.divide_no_nan(part, weight_totals[i]))
-                else:
-                    shares.append(size_float / n_float)
-            contributions = [s * loss for s, loss in zip(shares, losses)]
+                share = _share(
+                    term, masked[i], probes.get(i), mask_totals[i], weight_totals[i], size, n
+                )
+                contributions.append(share * term.value)
+            losses = [t.value for t in terms]
             with tape.stop_recording():
                 coefficients = _loss_coefficients(weighting, losses)
             extra = [
                 internals.scale_loss_for_distribution(ops.sum(ops.cast(r, "float32")))
                 for r in model.losses
             ]
-            reg = ops.sum(ops.stack(extra)) * (size_float / n_float) if extra else 0.0
+            size_share = ops.cast(size, "float32") / ops.cast(n, "float32")
+            reg = ops.sum(ops.stack(extra)) * size_share if extra else tf.constant(0.0)
             objective = ops.sum(coefficients * ops.stack(contributions)) + reg
             scaled = model.optimizer.scale_loss(objective)
         grads = tape.gradient(scaled, variables, unconnected_gradients=tf.UnconnectedGradients.NONE)
         for i, g in enumerate(grads):
             connected[i] = connected[i] or g is not None
         grad_acc = tuple(a if g is None else a + g for a, g in zip(grad_acc, grads))
-        model.compute_metrics(x_m, y_m, y_pred, sample_weight=sw_m)
+        update_metrics(y_m, y_pred, sw_m)
         loss_acc = loss_acc + ops.stack([ops.stop_gradient(c) for c in contributions])
         reg_acc = reg_acc + ops.stop_gradient(ops.cast(reg, "float32"))
         return grad_acc, loss_acc, reg_acc
@@ -395,14 +408,17 @@ def accumulate(model, x, y, sample_weight, variables, micro_batch_size):
             connected[i] = True
             acc = acc + ops.cast(g, acc.dtype)
         grads.append(acc if connected[i] else None)
-    grads = model._zeros_for_unconnected(grads, variables)
-
-    total = combined + reg_acc
-    model._loss_tracker.update_state(
-        internals.unscale_loss_for_distribution(total), sample_weight=n
+    reported = combined
+    if model._loss_weighting_given:  # `loss` stays what keras.Model would report
+        static = ops.convert_to_tensor(task_loss.static_weights, "float32")
+        reported = ops.sum(loss_acc * static)
+    return StepResult(
+        grads=grads,
+        loss=reported + reg_acc,
+        task_losses=losses,
+        weights=weights,
+        objective=combined if model._loss_weighting_given else None,
+        batch_size=n,
+        update_metrics=lambda: None,
+        undo_metrics=undo_metrics,
     )
-    tasks.update_trackers(losses, n)
-    logs = dict(model.get_metrics_result())
-    logs["_weights"] = weights
-    logs["_losses"] = losses
-    return grads, logs

@@ -49,6 +49,7 @@ def train(x, y, nonfinite="skip", steps_per_execution=1, callbacks=None):
         {"a": "mse", "b": "mse"},
         nonfinite=nonfinite,
         steps_per_execution=steps_per_execution,
+        log_metrics=["skipped_steps"],
     )
     history = model.fit(
         x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=callbacks

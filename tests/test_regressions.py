@@ -29,7 +29,10 @@ def test_autoclip_zero_gradient_batches_do_not_write_nan():
     sw[:16] = 0.0  # the first batch has a zero gradient: AutoClip's first threshold is 0
     model = mlp()
     model.compile(
-        "sgd", "sparse_categorical_crossentropy", gradient_clipping=kf.clipping.AutoClip()
+        "sgd",
+        "sparse_categorical_crossentropy",
+        gradient_clipping=kf.clipping.AutoClip(),
+        log_metrics=["grad_norm", "skipped_steps"],
     )
     history = model.fit(x, y, sample_weight=sw, batch_size=16, shuffle=False, epochs=2, verbose=0)
     assert all(np.isfinite(w).all() for w in model.get_weights())

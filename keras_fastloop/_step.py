@@ -1,0 +1,93 @@
+"""The one internal contract of the training step, and the step's own metrics.
+
+Both ways of computing a batch's gradient (one pass, :meth:`OptimizedTrainer._full_batch`, or
+micro-batches, :func:`keras_fastloop.micro_batching.accumulate`) return a :class:`StepResult`;
+only the trainer turns it into metric updates and logs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import keras
+from keras import ops
+
+LOG_METRICS = ("grad_norm", "skipped_steps", "loss_scale")
+
+
+@dataclasses.dataclass
+class StepResult:
+    """What one (per-replica) batch contributes to the step.
+
+    Attributes:
+        grads: loss-scaled gradients, one per trainable variable; ``None`` where the variable
+            gets no gradient (it is then left out of the update, as Keras does).
+        loss: float32 scalar, the logged loss (task losses weighted by the static
+            ``loss_weights``, plus regularization), per replica (``1 / num_replicas`` scaled).
+        task_losses: the unweighted per-task losses (``None`` when an overridden
+            ``compute_loss`` did not call the default one).
+        weights: float32 ``(T,)`` weights the weighting method used, or ``None``.
+        objective: the weighting method's own objective (what was differentiated), or ``None``.
+        batch_size: int32 scalar, samples in the batch (the trackers' sample weight).
+        update_metrics: records the compiled metrics for this batch (called only when the
+            update is applied).
+        undo_metrics: restores the compiled metrics when they were already updated (micro-batches)
+            and the update is skipped; ``None`` when nothing needs undoing.
+    """
+
+    grads: list
+    loss: object
+    task_losses: list | None
+    weights: object
+    objective: object
+    batch_size: object
+    update_metrics: Callable[[], None]
+    undo_metrics: Callable[[], None] | None = None
+
+
+class LastValue(keras.metrics.Metric):
+    """A metric that reports the last value given (identical on every replica).
+
+    Its variable is aggregated with ``"only_first_replica"``: the step assigns the same value on
+    every replica (it comes from the all-reduced gradient or the replicated step state).
+    """
+
+    def __init__(self, name, dtype="float32"):
+        super().__init__(name=name, dtype=dtype)
+        self.value = self.add_variable(
+            shape=(), initializer="zeros", dtype=dtype, aggregation="only_first_replica", name=name
+        )
+
+    def update_state(self, value):
+        self.value.assign(ops.cast(value, self.value.dtype))
+
+    def result(self):
+        return ops.convert_to_tensor(self.value)
+
+
+class StepMetrics:
+    """The step's optional metrics (training only; never part of ``evaluate``'s logs).
+
+    A plain container, not a Keras object, so Keras' tracking and saving do not adopt the
+    metrics: they are reset and synchronised like Keras' own because the model lists them in
+    ``model.metrics`` while training.
+    """
+
+    def __init__(self, names):
+        self.grad_norm = keras.metrics.Mean(name="grad_norm") if "grad_norm" in names else None
+        self.skipped_steps = (
+            LastValue("skipped_steps", dtype="int64") if "skipped_steps" in names else None
+        )
+        self.loss_scale = LastValue("loss_scale") if "loss_scale" in names else None
+        self.objective = None
+        self.weights = []
+
+    def add_weighting(self, task_names):
+        """With ``loss_weighting``: the method's ``objective`` and every ``{task}_weight``."""
+        self.objective = keras.metrics.Mean(name="objective")
+        self.weights = [LastValue(f"{name}_weight") for name in task_names]
+
+    def all(self):
+        single = [self.grad_norm, self.skipped_steps, self.loss_scale, self.objective]
+        return [m for m in single if m is not None] + self.weights

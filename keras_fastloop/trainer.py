@@ -1,0 +1,600 @@
+"""The trainer mixin shared by :class:`~keras_fastloop.OptimizedModel` and
+:class:`~keras_fastloop.OptimizedSequential`.
+
+``compile()`` turns its arguments into step components; ``train_step``/``test_step`` only
+orchestrate them (each stage lives in its own module). The step, in order:
+
+unpack ``(x, y, sample_weight)`` -> forward in the tape -> ``compute_loss`` (Keras' hook: per-task
+losses from :class:`~keras_fastloop.losses.TaskLoss`, combined by the loss weighting) ->
+``optimizer.scale_loss`` -> gradients (plain or micro-batched, a :class:`StepResult` either way)
+-> variables without a gradient leave the update (as in Keras) -> sum across replicas -> unscale
+-> finite check -> clip -> ``optimizer.apply`` (skipped as a whole when not finite) -> metrics
+(recorded only for applied steps).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import keras
+import tensorflow as tf
+from keras import ops
+
+from keras_fastloop import _keras_internals as internals
+from keras_fastloop import clipping as clipping_module
+from keras_fastloop import distributed, guards, losses, scaling, tuning
+from keras_fastloop import micro_batching as micro_batching_module
+from keras_fastloop import weighting as weighting_module
+from keras_fastloop._step import LOG_METRICS, StepMetrics, StepResult
+from keras_fastloop.callbacks.resume import ExactResumeMixin
+from keras_fastloop.state import StepState
+
+NONFINITE_POLICIES = ("skip", "raise", "terminate")
+
+
+def _check_optimizer_clipping(optimizer, gradient_clipping):
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    set_on_optimizer = {
+        name: getattr(inner, name, None)
+        for name in ("clipnorm", "global_clipnorm", "clipvalue")
+        if getattr(inner, name, None) is not None
+    }
+    if gradient_clipping is not None and set_on_optimizer:
+        raise ValueError(
+            "Gradient clipping is set twice: on the optimizer "
+            f"({', '.join(f'{k}={v}' for k, v in set_on_optimizer.items())}) and in "
+            "`compile(gradient_clipping=...)`. Set it in one place only (prefer "
+            "`gradient_clipping`, which clips the gradient summed across replicas). "
+            f"Received: gradient_clipping={gradient_clipping!r}"
+        )
+    accumulation = getattr(inner, "gradient_accumulation_steps", None)
+    if gradient_clipping is not None and accumulation:
+        raise ValueError(
+            "`gradient_clipping` cannot be combined with the optimizer's "
+            "`gradient_accumulation_steps`: the step would clip each batch's gradient before "
+            "Keras accumulates them (a mean of clipped gradients, not the clipped mean). Use "
+            "`compile(micro_batch_size=...)` to accumulate inside the step, where clipping acts "
+            f"on the accumulated gradient. Received: gradient_accumulation_steps={accumulation}, "
+            f"gradient_clipping={gradient_clipping!r}"
+        )
+
+
+def _log_metrics(log_metrics, clipper, optimizer, nonfinite):
+    """The optional step metrics to log: as asked, or those of the features that are on."""
+    if log_metrics is None:
+        lso = scaling.is_loss_scale_optimizer(optimizer)
+        names = []
+        if clipper is not None:
+            names.append("grad_norm")
+        if lso or nonfinite != "skip":
+            names.append("skipped_steps")
+        if lso:
+            names.append("loss_scale")
+        return tuple(names)
+    if isinstance(log_metrics, str):
+        log_metrics = [log_metrics]
+    unknown = [m for m in log_metrics if m not in LOG_METRICS]
+    if unknown:
+        raise ValueError(
+            f"`log_metrics` must be None or a list of names from {LOG_METRICS}. "
+            f"Received: log_metrics={log_metrics!r}"
+        )
+    return tuple(log_metrics)
+
+
+class OptimizedTrainer(ExactResumeMixin):
+    """Mixin that gives a ``keras.Model`` class the step of an expert's hand-written loop.
+
+    Put it before the Keras class in the bases (``class M(OptimizedTrainer, keras.Model)``).
+    See :class:`~keras_fastloop.OptimizedModel` for the arguments of :meth:`compile` and the logs.
+    """
+
+    def compile(
+        self,
+        optimizer="rmsprop",
+        loss=None,
+        loss_weights=None,
+        metrics=None,
+        weighted_metrics=None,
+        run_eagerly=False,
+        steps_per_execution=1,
+        jit_compile="auto",
+        auto_scale_loss=True,
+        *,
+        gradient_clipping=None,
+        loss_weighting=None,
+        shared_variables=None,
+        micro_batch_size=None,
+        nonfinite="skip",
+        log_metrics=None,
+    ):
+        """Configure the model for training.
+
+        Args:
+            optimizer, loss, loss_weights, metrics, weighted_metrics, run_eagerly,
+                steps_per_execution, jit_compile, auto_scale_loss: as ``keras.Model.compile``
+                (``loss=None`` is valid: models trained by ``add_loss`` or an overridden
+                ``compute_loss``, or compiled for inference). Under a ``mixed_float16`` policy
+                the optimizer becomes a ``LossScaleOptimizer``. ``steps_per_execution`` may also
+                be ``"auto"``: tuned while ``fit`` runs, never past a step event
+                (:mod:`keras_fastloop.tuning`).
+            gradient_clipping: ``None`` (default), a positive float (global-norm threshold) or a
+                ``keras_fastloop.clipping`` object. Applied once, to the unscaled gradient summed
+                across replicas.
+            loss_weighting: ``None`` (default: fixed ``loss_weights`` as in Keras, but held in a
+                variable), a method id from ``keras_fastloop.weighting.METHODS`` or a
+                ``LossWeighting`` object.
+            shared_variables: optional list of variables that gradient-based weighting methods
+                treat as shared; default: inferred (variables reached by more than one task).
+            micro_batch_size: ``None`` (default) or a positive int: split every batch into
+                micro-batches of this many samples, accumulate their gradients and apply one
+                update, identical to the full batch.
+            nonfinite: what to do with a non-finite gradient: ``"skip"`` (default; skip the
+                whole update on every replica and count it in ``skipped_steps``), ``"raise"``
+                (stop with an error naming the step) or ``"terminate"`` (skip the update and stop
+                training cleanly, like ``TerminateOnNaN``).
+            log_metrics: ``None`` (default) or a list from ``("grad_norm", "skipped_steps",
+                "loss_scale")``: extra training metrics to log. By default each is logged when
+                the feature that produces it is on (``grad_norm`` with ``gradient_clipping``;
+                ``loss_scale`` and ``skipped_steps`` with loss scaling; ``skipped_steps`` with
+                ``nonfinite`` other than ``"skip"``), so with every feature off the logs have
+                exactly ``keras.Model``'s keys.
+
+        Raises:
+            ValueError: ``steps_per_execution`` neither ``"auto"`` nor a positive int;
+                clipping set both here and on the optimizer, or combined with the optimizer's
+                ``gradient_accumulation_steps``; a non-positive ``micro_batch_size``; an unknown
+                ``nonfinite`` policy, weighting id or ``log_metrics`` name; loss or loss weights
+                that do not match the outputs; weighting with a single task; a weighting method
+                or ``micro_batch_size`` without a compiled ``loss`` or with an overridden
+                ``compute_loss``.
+            TypeError: an argument of the wrong kind.
+        """
+        clipper = clipping_module.get(gradient_clipping)
+        weighting = weighting_module.get(loss_weighting)
+        if nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(
+                f"`nonfinite` must be one of {NONFINITE_POLICIES}. Received: nonfinite={nonfinite!r}"
+            )
+        micro_batch_size = micro_batching_module.validate_micro_batch_size(micro_batch_size)
+        if micro_batch_size and weighting.requires_task_gradients:
+            raise ValueError(
+                "Gradient-based loss weighting cannot be combined with `micro_batch_size` "
+                "(per-task gradients are not accumulated across micro-batches). "
+                f"Received: loss_weighting={loss_weighting!r}, micro_batch_size={micro_batch_size}"
+            )
+        needs_tasks = {
+            "loss_weighting": loss_weighting is not None,
+            "micro_batch_size": micro_batch_size is not None,
+        }
+        for argument, given in needs_tasks.items():
+            value = loss_weighting if argument == "loss_weighting" else micro_batch_size
+            if given and loss is None:
+                raise ValueError(
+                    f"`{argument}` needs the per-task losses of a compiled `loss`. "
+                    f"Received: loss=None, {argument}={value!r}"
+                )
+            if given and self._overrides_compute_loss():
+                raise ValueError(
+                    f"`{argument}` cannot be combined with an overridden `compute_loss()`: it "
+                    "needs each task's loss, which only the default `compute_loss` provides. "
+                    f"Received: {argument}={value!r}"
+                )
+        losses.check_loss_identifiers(loss)
+        losses.check_loss_weights(loss_weights)
+        losses.check_keys("loss", loss, self)
+        losses.check_keys("loss_weights", loss_weights, self)
+        losses.check_loss_weights_count(loss, loss_weights, self)
+        optimizer = keras.optimizers.get(optimizer)
+        _check_optimizer_clipping(optimizer, clipper)
+
+        # "auto": Keras runs 1 step per slot; tuning.py groups slots into executions.
+        keras_steps_per_execution, auto_spe = tuning.resolve_steps_per_execution(
+            steps_per_execution
+        )
+        super().compile(
+            optimizer=optimizer,
+            loss=None,
+            metrics=metrics,
+            weighted_metrics=weighted_metrics,
+            run_eagerly=run_eagerly,
+            steps_per_execution=keras_steps_per_execution,
+            jit_compile=jit_compile,
+            auto_scale_loss=auto_scale_loss,
+        )
+        if loss is not None:  # as Keras: compile(loss=None) keeps an earlier compiled loss
+            self._compile_loss = losses.TaskLoss(
+                loss, loss_weights, output_names=getattr(self, "output_names", None)
+            )
+            self.loss = loss
+        self._gradient_clipping = clipper
+        self._loss_weighting_given = loss_weighting is not None
+        # untracked: Keras would otherwise adopt the listed variables/layers as the model's own
+        object.__setattr__(self, "_shared_variables", shared_variables)
+        self._micro_batch_size = micro_batch_size
+        self._nonfinite = nonfinite
+        self._warned_unconnected = False
+        object.__setattr__(self, "_fastloop_auto_spe", auto_spe)  # untracked runtime state
+        # All step state is created here (or, for models whose outputs are unknown until their
+        # first call, in Keras' symbolic build before training), under the caller's scope.
+        state = StepState()
+        object.__setattr__(self, "_fastloop_state", state)  # untracked: not in model.weights
+        if clipper is not None:
+            clipper.build(state)
+        self._loss_weighting = weighting
+        object.__setattr__(
+            self,
+            "_step_metrics",
+            StepMetrics(_log_metrics(log_metrics, clipper, self.optimizer, nonfinite)),
+        )
+        object.__setattr__(self, "_fastloop_evaluating", 0)
+        self._compile_config = internals.serialization_lib.SerializableDict(
+            optimizer=optimizer,
+            loss=loss,
+            loss_weights=loss_weights,
+            metrics=metrics,
+            weighted_metrics=weighted_metrics,
+            run_eagerly=run_eagerly,
+            steps_per_execution=steps_per_execution,
+            jit_compile=self.jit_compile,
+            gradient_clipping=clipper,
+            loss_weighting=weighting if loss_weighting is not None else None,
+            micro_batch_size=micro_batch_size,
+            nonfinite=nonfinite,
+            log_metrics=log_metrics,
+        )
+
+    def _overrides_compute_loss(self):
+        return type(self).compute_loss is not OptimizedTrainer.compute_loss
+
+    def _build_weighting(self):
+        """Create the weighting's state once the tasks are known (never inside a trace)."""
+        weighting, task_loss = self._loss_weighting, self._compile_loss
+        if weighting.task_names is not None:
+            return
+        weighting.build(self, self._fastloop_state, task_loss.names, task_loss.static_weights)
+        if self._loss_weighting_given:
+            self._step_metrics.add_weighting(task_loss.names)
+
+    # ----------------------------------------------------------------------------- properties
+
+    @property
+    def loss_weighting(self):
+        """The :class:`~keras_fastloop.weighting.LossWeighting` in use (``None`` before compile)."""
+        return getattr(self, "_loss_weighting", None)
+
+    @property
+    def skipped_steps(self):
+        """Variable counting updates skipped for non-finite gradients (over all ``fit`` calls)."""
+        return self._fastloop_state.skipped_steps
+
+    @property
+    def metrics(self):
+        metrics = super().metrics
+        step_metrics = self.__dict__.get("_step_metrics")
+        if step_metrics is not None and not self.__dict__.get("_fastloop_evaluating"):
+            metrics = metrics + step_metrics.all()
+        return metrics
+
+    @contextlib.contextmanager
+    def _evaluation(self):
+        """The training-only step metrics are not part of ``evaluate``'s metrics and logs."""
+        object.__setattr__(
+            self, "_fastloop_evaluating", self.__dict__.get("_fastloop_evaluating", 0) + 1
+        )
+        try:
+            yield
+        finally:
+            object.__setattr__(self, "_fastloop_evaluating", self._fastloop_evaluating - 1)
+
+    def evaluate(self, *args, **kwargs):
+        with self._evaluation():
+            return super().evaluate(*args, **kwargs)
+
+    def test_on_batch(self, *args, **kwargs):
+        with self._evaluation():
+            return super().test_on_batch(*args, **kwargs)
+
+    # -------------------------------------------------------------------------------- losses
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        """Keras' ``compute_loss``, with the task losses combined by the loss weighting.
+
+        Returns the scalar the step differentiates: the weighting's objective over the
+        compiled loss' tasks (``sum_i w_i L_i`` with the weights read from a variable by
+        default) plus the regularization and ``add_loss`` losses. Override it as in Keras; a
+        model that does so cannot use ``loss_weighting`` or ``micro_batch_size``.
+
+        Raises:
+            ValueError: when there is no loss at all (no compiled loss, no ``add_loss``).
+        """
+        del x, training
+        terms, record = [], None
+        if self._compile_loss is not None:
+            task_terms = self._compile_loss.evaluate(y, y_pred, sample_weight)
+            values = [t.value for t in task_terms]
+            self._build_weighting()
+            objective, weights = self._loss_weighting.combine(values)
+            reported = objective
+            if self._loss_weighting_given:  # `loss` stays what keras.Model would report
+                static = self._compile_loss.static_weights
+                reported = ops.sum(ops.stack(values) * ops.convert_to_tensor(static, "float32"))
+            record = _LossRecord(task_terms, values, objective, weights, reported)
+            terms.append(objective)
+        terms += [
+            internals.scale_loss_for_distribution(ops.sum(ops.cast(r, "float32")))
+            for r in self.losses
+        ]
+        if not terms:
+            raise ValueError("No loss to compute. Provide a `loss` argument in `compile()`.")
+        object.__setattr__(self, "_loss_record", record)
+        return terms[0] if len(terms) == 1 else ops.sum(ops.stack(terms))
+
+    def _loss_terms(self, x, y, y_pred, sample_weight, training):
+        """``(total, logged loss, record)`` through ``compute_loss`` (user overrides included)."""
+        object.__setattr__(self, "_loss_record", None)
+        total = self._compute_loss(
+            x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training
+        )
+        record = self.__dict__.get("_loss_record")
+        object.__setattr__(self, "_loss_record", None)
+        if record is None:
+            return total, total, None
+        return total, total + (record.reported - record.objective), record
+
+    def _forward(self, x, training):
+        if self._call_has_training_arg:
+            return self(x, training=training)
+        return self(x)
+
+    # ------------------------------------------------------------------------------ the steps
+
+    def _full_batch(self, x, y, sample_weight, variables):
+        """:class:`StepResult` of one gradient of the whole (per-replica) batch."""
+        weighting = self._loss_weighting
+        with tf.GradientTape(persistent=weighting.requires_task_gradients) as tape:
+            y_pred = self._forward(x, training=True)
+            total, logged, record = self._loss_terms(x, y, y_pred, sample_weight, training=True)
+            scaled = self.optimizer.scale_loss(total)
+        if record is None:
+            grads = tape.gradient(
+                scaled, variables, unconnected_gradients=tf.UnconnectedGradients.NONE
+            )
+            task_losses = weights = objective = None
+        else:
+            grads = weighting.gradients(
+                tape, record.values, scaled, variables, self.optimizer.scale_loss
+            )
+            weights = record.weights
+            if weighting.requires_task_gradients:  # weights decided from this step's gradients
+                weights = weighting.read_weights()
+            task_losses, objective = record.values, record.objective
+        del tape
+        compile_metrics = self._compile_metrics
+
+        def update_metrics():
+            if compile_metrics is not None:
+                compile_metrics.update_state(y, y_pred, sample_weight)
+
+        return StepResult(
+            grads=list(grads),
+            loss=logged,
+            task_losses=task_losses,
+            weights=weights,
+            objective=objective,
+            batch_size=ops.shape(next(t for t in tf.nest.flatten(x) if t is not None))[0],
+            update_metrics=update_metrics,
+        )
+
+    def _connected(self, grads, variables):
+        """Keep only the variables that get a gradient (Keras leaves the others untouched)."""
+        missing = [v.path for g, v in zip(grads, variables) if g is None]
+        if missing and not self._warned_unconnected:
+            self._warned_unconnected = True
+            warnings.warn(
+                f"{len(missing)} trainable variable(s) get no gradient from the loss and are "
+                f"left out of the update (as in keras.Model): {missing}",
+                stacklevel=3,
+            )
+        pairs = [(g, v) for g, v in zip(grads, variables) if g is not None]
+        return [g for g, _ in pairs], [v for _, v in pairs]
+
+    def train_step(self, data):
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        if not all(layer.built for layer in self._flatten_layers()):
+            # Without a strategy Keras builds in the first trace; the variables must exist
+            # before the step reads them (tf.function traces once more, with them built).
+            self._forward(x, training=False)
+        variables = self.trainable_variables
+        if self._micro_batch_size:
+            result = micro_batching_module.accumulate(
+                self, x, y, sample_weight, variables, self._micro_batch_size
+            )
+        else:
+            result = self._full_batch(x, y, sample_weight, variables)
+        grads, variables = self._connected(result.grads, variables)
+        if not variables:
+            warnings.warn("The model does not have any trainable weights.", stacklevel=2)
+            self._record_metrics(result, tf.constant(True), None)
+            return self.get_metrics_result()
+        grads = distributed.all_reduce_sum(grads)
+        scale = scaling.current_scale(self.optimizer)
+        grads = scaling.unscale(grads, scale)
+        # Norms and clipping see each embedding row once (duplicate ids summed); without
+        # clipping the optimizer gets the gradient as Keras would.
+        unique_rows = [clipping_module.deduplicate(g) for g in grads]
+        grad_norm = tf.linalg.global_norm(unique_rows)
+        # inf/NaN anywhere makes the norm non-finite; so does a norm beyond float32's range
+        # (~1.8e19), which is treated as a divergence too. One check instead of one per variable.
+        finite = ops.isfinite(grad_norm)
+        # The global-batch losses: the non-finite-loss check (same decision on every replica)
+        # and the weighting's state. Per-replica losses are already divided by the number of
+        # replicas, so their sum is the global mean.
+        lso = scaling.is_loss_scale_optimizer(self.optimizer)
+        needs_global = lso or self._nonfinite != "skip" or self._loss_weighting.has_state_update
+        global_losses = None
+        if needs_global:
+            local = [result.loss] + list(result.task_losses or [])
+            global_losses = distributed.all_reduce_sum(local)
+        # Under loss scaling an overflow of a finite loss is routine (Keras halves the scale); a
+        # non-finite loss is bad data: skipped without touching the scale.
+        loss_finite = ops.all(ops.isfinite(ops.stack(global_losses))) if needs_global else None
+        allowed = guards.check(
+            self._nonfinite,
+            self._fastloop_state,
+            finite,
+            loss_finite if lso else None,
+            grads,
+            variables,
+            self.optimizer.iterations,
+        )
+        if self._gradient_clipping is not None:
+            grads = self._gradient_clipping(unique_rows, variables, grad_norm)
+        applied = finite if allowed is None else ops.logical_and(finite, allowed)
+        lso_condition = None
+        if lso:
+            lso_condition = (
+                loss_finite if allowed is None else ops.logical_and(loss_finite, allowed)
+            )
+        self._apply(grads, variables, applied, scale, lso_condition)
+        self._fastloop_state.skipped_steps.assign_add(ops.cast(ops.logical_not(applied), "int64"))
+        if self._loss_weighting.has_state_update:
+            distributed.cond(applied, self._loss_weighting.update, args=(list(global_losses[1:]),))
+        self._record_metrics(result, applied, grad_norm)
+        return self.get_metrics_result()
+
+    def _apply(self, grads, variables, applied, scale, lso_condition):
+        """Apply the update, or skip it entirely (weights, slots, ``iterations``).
+
+        ``applied``: the gradient is finite and the non-finite policy allows updates;
+        ``lso_condition``: with a ``LossScaleOptimizer``, when to hand it the gradient (it skips
+        overflowing updates and halves its scale itself).
+        """
+        optimizer = self.optimizer
+        if not optimizer.built:
+            optimizer.build(self.trainable_variables)
+        grads = scaling.rescale(grads, scale)
+        condition = lso_condition if scaling.is_loss_scale_optimizer(optimizer) else applied
+        with distributed.gradients_already_reduced(optimizer):
+            distributed.cond(condition, lambda g: optimizer.apply(g, variables), args=(grads,))
+
+    def _record_metrics(self, result, applied, grad_norm):
+        """Metrics of an applied step; a skipped one leaves them as if the batch was not seen."""
+        step_metrics = self._step_metrics
+
+        def record():
+            self._record_losses(result)
+            if step_metrics.grad_norm is not None and grad_norm is not None:
+                step_metrics.grad_norm.update_state(grad_norm)
+            result.update_metrics()
+
+        def skip():
+            if result.undo_metrics is not None:
+                result.undo_metrics()
+
+        tf.cond(applied, record, skip)
+        if step_metrics.skipped_steps is not None:
+            step_metrics.skipped_steps.update_state(self._fastloop_state.skipped_steps)
+        if step_metrics.loss_scale is not None:
+            step_metrics.loss_scale.update_state(self.optimizer.dynamic_scale)
+        if result.weights is not None:
+            for metric, weight in zip(step_metrics.weights, tf.unstack(result.weights)):
+                metric.update_state(weight)
+
+    def _record_losses(self, result):
+        self._loss_tracker.update_state(
+            internals.unscale_loss_for_distribution(result.loss), sample_weight=result.batch_size
+        )
+        if result.task_losses is not None:
+            self._compile_loss.record(result.task_losses, result.batch_size)
+        if self._step_metrics.objective is not None and result.objective is not None:
+            self._step_metrics.objective.update_state(
+                internals.unscale_loss_for_distribution(result.objective),
+                sample_weight=result.batch_size,
+            )
+
+    def test_step(self, data):
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        y_pred = self._forward(x, training=False)
+        _, logged, record = self._loss_terms(x, y, y_pred, sample_weight, training=False)
+        batch_size = ops.shape(next(t for t in tf.nest.flatten(x) if t is not None))[0]
+        self._loss_tracker.update_state(
+            internals.unscale_loss_for_distribution(logged), sample_weight=batch_size
+        )
+        if record is not None:
+            self._compile_loss.record(record.values, batch_size)
+        return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+    # --------------------------------------------------------------------------- distribution
+
+    def _make_function(self, step_function):
+        # Step outputs survive MultiWorkerMirroredStrategy's reduction (keras#20585).
+        return distributed.make_function(self, super()._make_function, step_function)
+
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        tuning.capture_epoch_iterator(self, iterator)  # steps_per_execution="auto"
+        # The first build works under MultiWorkerMirroredStrategy (keras#20585).
+        return distributed.maybe_symbolic_build(
+            self, super()._maybe_symbolic_build, iterator=iterator, data_batch=data_batch
+        )
+
+    # ---------------------------------------------------------------------------- training
+
+    def fit(self, *args, **kwargs):
+        """``keras.Model.fit``, plus the internal callback of the non-finite policy.
+
+        It stops training for ``nonfinite="terminate"`` and warns once when many steps were
+        skipped (see :mod:`keras_fastloop.guards`). Arguments and return value as Keras'.
+        """
+        if len(args) > 5:  # callbacks given positionally (6th argument of keras.Model.fit)
+            args = (*args[:5], self._with_guard_callback(args[5]), *args[6:])
+        else:
+            kwargs["callbacks"] = self._with_guard_callback(kwargs.get("callbacks"))
+        return tuning.fit(self, super().fit, *args, **kwargs)
+
+    def make_train_function(self, force=False):
+        # steps_per_execution="auto": one trace serves every step count (see tuning.py).
+        return tuning.make_train_function(self, super().make_train_function, force)
+
+    def _with_guard_callback(self, callbacks):
+        monitor = guards.NonFiniteMonitor(getattr(self, "_nonfinite", "skip"))
+        if isinstance(callbacks, keras.callbacks.CallbackList):
+            callbacks.append(monitor)
+            return callbacks
+        return [*(callbacks or []), monitor]
+
+    # -------------------------------------------------------------------------- serialization
+
+    def get_compile_config(self):
+        if self.compiled and hasattr(self, "_compile_config"):
+            config = self._compile_config.serialize()
+            task_loss = getattr(self, "_compile_loss", None)
+            if isinstance(task_loss, losses.TaskLoss) and task_loss.names is not None:
+                # Lets a loaded model create its weighting state before its variables load.
+                config["task_names"] = list(task_loss.names)
+                config["task_weights"] = list(task_loss.static_weights)
+            return config
+        return {}
+
+    def compile_from_config(self, config):
+        config = dict(config)
+        task_names = config.pop("task_names", None)
+        task_weights = config.pop("task_weights", None)
+        config = internals.serialization_lib.deserialize_keras_object(config)
+        self.compile(**config)
+        if task_names is not None and isinstance(self._compile_loss, losses.TaskLoss):
+            self._compile_loss.names = task_names
+            self._compile_loss.static_weights = task_weights
+            self._build_weighting()
+            self._compile_loss.names = None
+        if self.built:
+            self.optimizer.build(self.trainable_variables)
+
+
+class _LossRecord:
+    """What the default ``compute_loss`` computed, for the step that called it."""
+
+    def __init__(self, terms, values, objective, weights, reported):
+        self.terms, self.values = terms, values
+        self.objective, self.weights, self.reported = objective, weights, reported
