@@ -83,9 +83,9 @@ class StepMetrics:
         self.objective = None
         self.weights = []
 
-    def add_weighting(self, task_names):
-        """With ``loss_weighting``: the method's ``objective`` and every ``{task}_weight``."""
-        self.objective = keras.metrics.Mean(name="objective")
+    def add_weighting(self, task_names, objective=True):
+        """With ``loss_weighting``: every ``{task}_weight`` and the method's ``objective``."""
+        self.objective = keras.metrics.Mean(name="objective") if objective else None
         self.weights = [LastValue(f"{name}_weight") for name in task_names]
 
     def all(self):

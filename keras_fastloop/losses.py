@@ -144,6 +144,29 @@ def check_loss_weights_count(loss, loss_weights, model):
         )
 
 
+def task_layout(loss, loss_weights, model):
+    """``(names, static_weights)`` of a functional model's tasks, known before any data.
+
+    Resolves ``loss``/``loss_weights`` with Keras' own ``CompileLoss`` on the model's symbolic
+    outputs (a scratch instance: loss functions that depend on the targets' shape are resolved
+    again, with real targets, by the model's :class:`TaskLoss`). ``None`` when the model's
+    outputs are unknown (subclassed models before their first call) or there is no loss.
+    """
+    outputs = getattr(model, "_outputs_struct", None)
+    if loss is None or outputs is None:
+        return None
+    scratch = internals.CompileLoss(
+        loss, loss_weights, output_names=getattr(model, "output_names", None)
+    )
+    scratch.build(outputs, outputs)
+    entries = internals.compile_loss_entries(scratch)
+    return [e.name for e in entries], [_static_weight(e) for e in entries]
+
+
+def _static_weight(entry):
+    return 1.0 if entry.loss_weights is None else float(entry.loss_weights)
+
+
 class TaskLoss(internals.CompileLoss):
     """Keras' ``CompileLoss`` that returns each task's unweighted loss.
 

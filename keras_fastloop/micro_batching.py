@@ -336,6 +336,10 @@ def accumulate(model, x, y, sample_weight, variables, micro_batch_size):
     k = int(micro_batch_size)
     task_loss = model._compile_loss
     weighting = model._loss_weighting
+    if task_loss.names is None or weighting.task_names is None:
+        # First trace of a model whose outputs were unknown at compile: build the loss and the
+        # weighting (the unused full-batch forward pass is pruned from the graph).
+        model._loss_terms(x, y, _call(model, x, training=False), sample_weight, training=False)
     masked = _detect_masks(model, x, y, sample_weight)
     num_tasks = len(masked)
     n = tf.shape(_first_tensor(x), out_type=tf.int32)[0]
@@ -409,7 +413,7 @@ def accumulate(model, x, y, sample_weight, variables, micro_batch_size):
             acc = acc + ops.cast(g, acc.dtype)
         grads.append(acc if connected[i] else None)
     reported = combined
-    if model._loss_weighting_given:  # `loss` stays what keras.Model would report
+    if not model._loss_is_objective:  # `loss` stays what keras.Model would report
         static = ops.convert_to_tensor(task_loss.static_weights, "float32")
         reported = ops.sum(loss_acc * static)
     return StepResult(
@@ -417,7 +421,7 @@ def accumulate(model, x, y, sample_weight, variables, micro_batch_size):
         loss=reported + reg_acc,
         task_losses=losses,
         weights=weights,
-        objective=combined if model._loss_weighting_given else None,
+        objective=combined,
         batch_size=n,
         update_metrics=lambda: None,
         undo_metrics=undo_metrics,

@@ -210,6 +210,9 @@ class OptimizedTrainer(ExactResumeMixin):
             self.loss = loss
         self._gradient_clipping = clipper
         self._loss_weighting_given = loss_weighting is not None
+        # `loss` is what keras.Model reports: the tasks weighted by the static `loss_weights`
+        # (for "static" that is the objective itself, weights assigned during fit included).
+        self._loss_is_objective = weighting.name == "static"
         # untracked: Keras would otherwise adopt the listed variables/layers as the model's own
         object.__setattr__(self, "_shared_variables", shared_variables)
         self._micro_batch_size = micro_batch_size
@@ -229,6 +232,9 @@ class OptimizedTrainer(ExactResumeMixin):
             StepMetrics(_log_metrics(log_metrics, clipper, self.optimizer, nonfinite)),
         )
         object.__setattr__(self, "_fastloop_evaluating", 0)
+        layout = losses.task_layout(loss, loss_weights, self)
+        if layout is not None:
+            self._build_weighting(layout)
         self._compile_config = internals.serialization_lib.SerializableDict(
             optimizer=optimizer,
             loss=loss,
@@ -248,14 +254,22 @@ class OptimizedTrainer(ExactResumeMixin):
     def _overrides_compute_loss(self):
         return type(self).compute_loss is not OptimizedTrainer.compute_loss
 
-    def _build_weighting(self):
-        """Create the weighting's state once the tasks are known (never inside a trace)."""
-        weighting, task_loss = self._loss_weighting, self._compile_loss
+    def _build_weighting(self, layout=None):
+        """Create the weighting's state once the tasks are known (never inside a trace).
+
+        ``layout``: ``(task names, static weights)``; default: the compiled loss' own, known
+        after its first call.
+        """
+        weighting = self._loss_weighting
         if weighting.task_names is not None:
             return
-        weighting.build(self, self._fastloop_state, task_loss.names, task_loss.static_weights)
+        names, static_weights = layout or (
+            self._compile_loss.names,
+            self._compile_loss.static_weights,
+        )
+        weighting.build(self, self._fastloop_state, names, static_weights)
         if self._loss_weighting_given:
-            self._step_metrics.add_weighting(task_loss.names)
+            self._step_metrics.add_weighting(names, objective=not self._loss_is_objective)
 
     # ----------------------------------------------------------------------------- properties
 
@@ -317,7 +331,7 @@ class OptimizedTrainer(ExactResumeMixin):
             self._build_weighting()
             objective, weights = self._loss_weighting.combine(values)
             reported = objective
-            if self._loss_weighting_given:  # `loss` stays what keras.Model would report
+            if not self._loss_is_objective:
                 static = self._compile_loss.static_weights
                 reported = ops.sum(ops.stack(values) * ops.convert_to_tensor(static, "float32"))
             record = _LossRecord(task_terms, values, objective, weights, reported)
@@ -583,11 +597,8 @@ class OptimizedTrainer(ExactResumeMixin):
         task_weights = config.pop("task_weights", None)
         config = internals.serialization_lib.deserialize_keras_object(config)
         self.compile(**config)
-        if task_names is not None and isinstance(self._compile_loss, losses.TaskLoss):
-            self._compile_loss.names = task_names
-            self._compile_loss.static_weights = task_weights
-            self._build_weighting()
-            self._compile_loss.names = None
+        if task_names is not None:
+            self._build_weighting((task_names, task_weights))
         if self.built:
             self.optimizer.build(self.trainable_variables)
 

@@ -7,6 +7,7 @@ def test_top_level_all():
     assert sorted(kf.__all__) == sorted(
         [
             "OptimizedModel",
+            "OptimizedSequential",
             "__version__",
             "callbacks",
             "clipping",
@@ -29,6 +30,7 @@ def test_submodule_exports():
         "ClipByNorm",
         "ClipByValue",
         "GradientClipping",
+        "deduplicate",
         "get",
     }
     assert set(kf.callbacks.__all__) == {
