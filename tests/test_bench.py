@@ -41,13 +41,6 @@ def test_bucketing_suite_quick(tmp_path):
     assert (tmp_path / "bucketing.md").exists()
 
 
-def test_geometric_boundaries():
-    assert bucketing.geometric_boundaries(40) == [16, 24, 32, 40]
-    bounds = bucketing.geometric_boundaries(508)
-    assert bounds[-1] == 508 and bounds == sorted(set(bounds))
-    assert all(b2 / b1 <= 1.5 for b1, b2 in zip(bounds, bounds[1:]))
-
-
 def test_cli_lists_every_suite_module():
     import importlib
 
