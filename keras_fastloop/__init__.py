@@ -13,8 +13,10 @@ from keras_fastloop import (
     weighting,
 )
 from keras_fastloop.model import OptimizedModel
+from keras_fastloop_cli import version as _version
 
-__version__ = "0.1.0"
+# The one version source is pyproject.toml, read from the installed distribution's metadata.
+__version__ = _version()
 
 __all__ = [
     "OptimizedModel",
