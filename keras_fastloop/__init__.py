@@ -13,10 +13,10 @@ from keras_fastloop import (
     weighting,
 )
 from keras_fastloop.model import OptimizedModel
-from keras_fastloop_cli import version as _version
 
-# The one version source is pyproject.toml, read from the installed distribution's metadata.
-__version__ = _version()
+# The one place the version is written: pyproject.toml reads it (setuptools `attr:`) and so
+# does `keras-fastloop --version` (statically, without importing TensorFlow).
+__version__ = "0.1.0"
 
 __all__ = [
     "OptimizedModel",

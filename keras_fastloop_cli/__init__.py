@@ -28,22 +28,37 @@ SUITES = {
     "seed-table": "seed_table",
 }
 
-DISTRIBUTION = "keras-fastloop"
-
 
 def version():
-    """The installed version of the ``keras-fastloop`` distribution (pyproject.toml's version).
+    """``keras_fastloop.__version__``, read from the source without importing the package.
+
+    The version is written once, in ``keras_fastloop/__init__.py`` (``pyproject.toml`` reads
+    it from there too); importing ``keras_fastloop`` would import TensorFlow, so the file is
+    located with ``importlib.util.find_spec`` and its ``__version__ = "..."`` assignment read
+    with ``ast``.
 
     Returns:
-        str, e.g. ``"0.1.0"``; ``"0+unknown"`` when the package is used from a source tree
-        that was never installed (no distribution metadata).
-    """
-    from importlib import metadata
+        str, e.g. ``"0.1.0"``.
 
-    try:
-        return metadata.version(DISTRIBUTION)
-    except metadata.PackageNotFoundError:
-        return "0+unknown"
+    Raises:
+        RuntimeError: if ``keras_fastloop`` cannot be found or sets no literal ``__version__``.
+    """
+    import ast
+    import importlib.util
+
+    spec = importlib.util.find_spec("keras_fastloop")
+    if spec is None or not spec.origin:
+        raise RuntimeError("The `keras_fastloop` package cannot be found on sys.path.")
+    tree = ast.parse(Path(spec.origin).read_text(encoding="utf-8"))
+    for node in tree.body:
+        if (
+            isinstance(node, ast.Assign)
+            and any(isinstance(t, ast.Name) and t.id == "__version__" for t in node.targets)
+            and isinstance(node.value, ast.Constant)
+            and isinstance(node.value.value, str)
+        ):
+            return node.value.value
+    raise RuntimeError(f'{spec.origin} sets no literal `__version__ = "..."`.')
 
 
 def _bench(args):

@@ -25,15 +25,17 @@ def test_help_lists_the_commands_and_does_not_import_tensorflow():
     assert result.stderr == ""  # no TensorFlow log lines
 
 
-def test_version_is_the_distribution_version():
-    from importlib import metadata
+def test_version_is_the_package_version_written_once():
+    import keras_fastloop
 
     result = _run("--version")
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == f"keras-fastloop {metadata.version('keras-fastloop')}"
-    import keras_fastloop
-
-    assert keras_fastloop.__version__ == metadata.version("keras-fastloop")
+    assert result.stdout.strip() == f"keras-fastloop {keras_fastloop.__version__}"
+    # pyproject.toml does not repeat it: setuptools reads keras_fastloop.__version__.
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert 'dynamic = ["version"]' in pyproject
+    assert 'version = { attr = "keras_fastloop.__version__" }' in pyproject
+    assert "\nversion = " not in pyproject.split("[tool.setuptools.dynamic]")[0]
 
 
 def test_importing_the_cli_and_parsing_help_leaves_tensorflow_unimported():
