@@ -73,11 +73,10 @@ class Pipelines:
         return self._base().padded_batch(BATCH_SIZE).prefetch(tf.data.AUTOTUNE)
 
     def bucketing(self):
+        # No `max_length`: the build-time length scan reads every sequence, so the dataset
+        # declares its number of batches, like (a) and (b) (no extra empty step per epoch).
         return bucket_by_length(
-            self._base(),
-            bucket_boundaries=self.boundaries,
-            batch_size=BATCH_SIZE,
-            max_length=self.max_length,
+            self._base(), bucket_boundaries=self.boundaries, batch_size=BATCH_SIZE
         )
 
     def validation(self):
