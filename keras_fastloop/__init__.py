@@ -14,6 +14,8 @@ from keras_fastloop import (
 )
 from keras_fastloop.model import OptimizedModel, OptimizedSequential
 
+# The one place the version is written: pyproject.toml reads it (setuptools `attr:`) and so
+# does `keras-fastloop --version` (statically, without importing TensorFlow).
 __version__ = "0.1.0"
 
 __all__ = [

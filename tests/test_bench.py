@@ -41,15 +41,57 @@ def test_bucketing_suite_quick(tmp_path):
     assert (tmp_path / "bucketing.md").exists()
 
 
-def test_geometric_boundaries():
-    assert bucketing.geometric_boundaries(40) == [16, 24, 32, 40]
-    bounds = bucketing.geometric_boundaries(508)
-    assert bounds[-1] == 508 and bounds == sorted(set(bounds))
-    assert all(b2 / b1 <= 1.5 for b1, b2 in zip(bounds, bounds[1:]))
-
-
 def test_cli_lists_every_suite_module():
     import importlib
 
     for module in cli.SUITES.values():
         assert hasattr(importlib.import_module(f"keras_fastloop.bench.{module}"), "run")
+
+
+def _fake_run(name, curve, samples_per_epoch=100, seconds_per_epoch=1.0):
+    from keras_fastloop.bench import harness
+
+    run = harness.Run(name=name, epochs=len(curve), initial_weights=[])
+    run.curve = list(curve)
+    run.train_seconds = [seconds_per_epoch] * len(curve)
+    run.samples = [samples_per_epoch] * len(curve)
+    run.total_seconds = curve[-1][0]
+    return run
+
+
+def test_median_round_ranks_by_time_to_target():
+    from keras_fastloop.bench import harness
+
+    rounds = [
+        _fake_run("a", [(1.0, 0.5), (2.0, 0.1)]),  # reaches 0.2 at 2.0 s
+        _fake_run("a", [(1.0, 0.1), (2.0, 0.05)]),  # at 1.0 s
+        _fake_run("a", [(3.0, 0.5), (6.0, 0.1)]),  # at 6.0 s
+    ]
+    assert harness.median_round(rounds, target_loss=0.2) == 0
+    # A round that never reaches the target: rank by total time instead (2, 2, 6 -> index 1).
+    assert harness.median_round(rounds, target_loss=0.01) == 1
+    assert harness.median_round(rounds[1:], target_loss=None) == 0  # lower median of two
+
+
+def test_plot_has_all_rounds_the_target_and_a_throughput_bar_chart(tmp_path):
+    from keras_fastloop.bench import harness
+
+    runs = {
+        "plain fit": [
+            _fake_run("p", [(1.0, 0.5), (2.0, 0.1)], seconds_per_epoch=2.0) for _ in range(3)
+        ],
+        "OptimizedModel": [_fake_run("o", [(1.0, 0.4), (1.5, 0.05)]) for _ in range(3)],
+    }
+    path = tmp_path / "plot.png"
+    fig = harness.plot_curves(runs, path, "test", target_loss=0.2)
+    assert path.stat().st_size > 0
+    curves, bars = fig.axes
+    assert len(fig.axes) == 2
+    lines = curves.get_lines()
+    assert len(lines) == 2 * 3 + 1  # every round of both contenders, plus the target line
+    assert sum(1 for line in lines if line.get_alpha() is None) == 2 + 1  # 2 bold + target
+    target = [line for line in lines if line.get_linestyle() == "--"]
+    assert len(target) == 1 and list(target[0].get_ydata()) == [0.2, 0.2]
+    assert "median round of 3" in curves.get_title()
+    widths = sorted(patch.get_width() for patch in bars.patches)
+    assert widths == [50.0, 100.0]  # median samples/s (first epoch excluded): 100/2 and 100/1

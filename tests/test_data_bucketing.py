@@ -1,5 +1,7 @@
 """Tests for keras_fastloop.data.bucketing and keras_fastloop.data.stats (cases C15, C16)."""
 
+import functools
+
 import keras
 import numpy as np
 import pytest
@@ -9,6 +11,7 @@ from keras_fastloop.data.bucketing import (
     BucketPlan,
     apply_bucket_plan,
     bucket_by_length,
+    geometric_boundaries,
     plan_buckets,
     quantile_boundaries,
     token_budget_batch_sizes,
@@ -174,7 +177,9 @@ def test_c15_jit_compile_shape_bound():
 def test_c15_overflow_extends_with_an_extra_bucket():
     ds, seqs = _c15_dataset()
     plan = plan_buckets(ds, bucket_boundaries=[16, 32, 64, 128], batch_size=8)
-    assert plan == BucketPlan((16, 32, 64, 128, 200), (8,) * 5, 200, True, True)
+    assert plan == BucketPlan(
+        (16, 32, 64, 128, 200), (8,) * 5, 200, True, True, bucket_counts=(16, 16, 32, 64, 72)
+    )
     batches = list(bucket_by_length(ds, bucket_boundaries=[16, 32, 64, 128], batch_size=8))
     assert {int(x.shape[1]) for x, _ in batches} == {16, 32, 64, 128, 200}
     assert sum(int(np.count_nonzero(x)) for x, _ in batches) == C15_TOTAL_TOKENS
@@ -248,23 +253,59 @@ def test_token_budget_shrinks_batch_size():
 
 
 def test_quantile_boundaries_by_hand():
-    assert quantile_boundaries(np.arange(1, 201), 4) == (50, 100, 150, 200)
-    assert quantile_boundaries([3, 1, 2, 10], 2) == (2, 10)
-    assert quantile_boundaries([7] * 20, 4) == (7,)  # duplicates merged
-    assert quantile_boundaries([0, 0, 5], 3) == (1, 5)  # boundaries stay positive
+    by_count = functools.partial(quantile_boundaries, weighting="sequences")
+    assert by_count(np.arange(1, 201), 4) == (50, 100, 150, 200)
+    assert by_count([3, 1, 2, 10], 2) == (2, 10)
+    assert by_count([7] * 20, 4) == (7,)  # duplicates merged
+    assert by_count([0, 0, 5], 3) == (1, 5)  # boundaries stay positive
+    # Token-weighted (default): 1..200 hold 20100 tokens; 1+..+100 = 5050 >= 20100/4,
+    # 1+..+142 = 10153 >= 20100/2 > 1+..+141 = 10011, 1+..+174 = 15225 >= 15075 > 15051.
+    assert quantile_boundaries(np.arange(1, 201), 4) == (100, 142, 174, 200)
+    # [3, 1, 2, 10]: 16 tokens; sorted cumulative 1, 3, 6, 16: the first >= 8 is at length 10.
+    assert quantile_boundaries([3, 1, 2, 10], 2) == (10,)
+    # Exactly on a quantile: [1, 1, 2] hold 4 tokens, cumulative 1, 2, 4: half (2) is reached
+    # exactly at the second 1, so the first boundary is 1 (>=, not >).
+    assert quantile_boundaries([1, 1, 2], 2) == (1, 2)
+    assert quantile_boundaries([2, 2, 4], 2) == (2, 4)  # cumulative 2, 4, 8: 4 >= 8/2 at 2
+    assert quantile_boundaries([0, 0], 3) == (1,)  # only empty sequences
+    assert quantile_boundaries([7] * 20) == (7,)
     with pytest.raises(ValueError, match="at least one"):
         quantile_boundaries([], 2)
     with pytest.raises(ValueError, match="num_buckets"):
         quantile_boundaries([1, 2], 0)
+    with pytest.raises(ValueError, match=r'"tokens" or "sequences". Received: weighting=\'x\''):
+        quantile_boundaries([1, 2], 2, weighting="x")
+
+
+def test_geometric_boundaries_by_hand():
+    # 16; 19.2 -> 24; 23.04 -> 24; 27.65 -> 32; 33.18 -> 40 is not < 40; then max 40.
+    assert geometric_boundaries(40) == (16, 24, 32, 40)
+    assert geometric_boundaries(10) == (10,)  # nothing below max_length
+    assert geometric_boundaries(100, first=10, ratio=2.0, multiple=1) == (10, 20, 40, 80, 100)
+    bounds = geometric_boundaries(508)
+    assert bounds[-1] == 508 and list(bounds) == sorted(set(bounds))
+    assert all(b % 8 == 0 for b in bounds[:-1])
+    assert all(b2 / b1 <= 1.5 for b1, b2 in zip(bounds, bounds[1:]))
+    for kwargs, pattern in (
+        ({"max_length": 0}, "max_length"),
+        ({"max_length": 40, "ratio": 1.0}, r"ratio.*> 1\. Received: ratio=1\.0"),
+        ({"max_length": 40, "ratio": float("inf")}, "ratio"),
+        ({"max_length": 40, "first": 0}, "first"),
+        ({"max_length": 40, "multiple": 2.5}, "multiple"),
+    ):
+        with pytest.raises(ValueError, match=pattern):
+            geometric_boundaries(**kwargs)
 
 
 def test_auto_boundaries_from_quantiles():
     ds, _ = _c15_dataset()
     plan = plan_buckets(ds, batch_size=8, num_buckets=4)
-    assert plan.bucket_boundaries == (50, 100, 150, 200)
+    assert plan.bucket_boundaries == (100, 142, 174, 200)  # token-weighted, see above
     assert plan.scanned_all and not plan.extended and plan.max_length == 200
+    assert plan.bucket_counts == (100, 42, 32, 26)
+    assert plan_buckets(ds, batch_size=8).num_buckets == 16  # the default
     batches = list(bucket_by_length(ds, batch_size=10, num_buckets=4))
-    assert {int(x.shape[1]) for x, _ in batches} == {50, 100, 150, 200}
+    assert {int(x.shape[1]) for x, _ in batches} == {100, 142, 174, 200}
     assert sum(int(np.count_nonzero(x)) for x, _ in batches) == C15_TOTAL_TOKENS
     # Boundaries from a sample of the first 20 lengths, extended to the true maximum.
     first = [len(s) for s in _c15_sequences()][:20]
@@ -583,3 +624,99 @@ def test_c16_sample_weight_masks_need_mean_with_sample_weight():
     assert l8 == pytest.approx(token_mean, abs=1e-6) and l16 == pytest.approx(token_mean, abs=1e-6)
     for a, b in zip(g8, g16):
         np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------
+# Known length (cardinality) and already-batched input.
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"bucket_boundaries": C15_BOUNDARIES, "batch_size": 8},
+        {"bucket_boundaries": C15_BOUNDARIES, "batch_size": 8, "drop_remainder": True},
+        {"batch_size": 8},  # quantile boundaries
+        {"batch_size": 7, "num_buckets": 5, "drop_remainder": True},
+        {"tokens_per_batch": 256},
+        {"tokens_per_batch": 256, "num_buckets": 3, "drop_remainder": True},
+        {"bucket_boundaries": [16, 64], "tokens_per_batch": 512, "shuffle_buffer": 50, "seed": 1},
+    ],
+)
+def test_cardinality_is_declared_and_exact(kwargs):
+    ds, _ = _c15_dataset()
+    batches = bucket_by_length(ds, **kwargs)
+    actual = sum(1 for _ in batches)
+    assert int(batches.cardinality()) == actual
+    assert sum(1 for _ in batches) == actual  # a second pass agrees (no cardinality error)
+
+
+def test_cardinality_by_hand():
+    # Lengths 1..40 with boundaries [16, 32] -> buckets of 16, 16 and (extended to 40) 8.
+    ds = tf.data.Dataset.range(1, 41).map(lambda n: tf.ones([n], tf.int32))
+    plan = plan_buckets(ds, bucket_boundaries=[16, 32], batch_size=6)
+    assert plan.bucket_boundaries == (16, 32, 40) and plan.bucket_counts == (16, 16, 8)
+    assert plan.num_batches() == 3 + 3 + 2  # ceil(16/6), ceil(16/6), ceil(8/6)
+    assert plan.num_batches(drop_remainder=True) == 2 + 2 + 1
+    assert int(bucket_by_length(ds, bucket_boundaries=[16, 32], batch_size=6).cardinality()) == 8
+    dropped = bucket_by_length(ds, bucket_boundaries=[16, 32], batch_size=6, drop_remainder=True)
+    assert int(dropped.cardinality()) == 5 == sum(1 for _ in dropped)
+    # Token budget 64: batch sizes 4, 2, 1 -> 4 + 8 + 8 batches.
+    budget = bucket_by_length(ds, bucket_boundaries=[16, 32], tokens_per_batch=64)
+    assert int(budget.cardinality()) == 20 == sum(1 for _ in budget)
+
+
+def test_cardinality_unknown_when_the_scan_did_not_cover_the_data():
+    ds, _ = _c15_dataset()
+    unknown = tf.data.UNKNOWN_CARDINALITY
+    skipped = bucket_by_length(ds, bucket_boundaries=C15_BOUNDARIES, batch_size=8, max_length=200)
+    assert int(skipped.cardinality()) == unknown  # no scan at all
+    partial = bucket_by_length(ds, bucket_boundaries=[256], batch_size=8, num_boundary_samples=50)
+    assert int(partial.cardinality()) == unknown  # scanned 50 of 200
+    # A plan made on another dataset is not trusted for this one's length.
+    full = tf.data.Dataset.range(1, 41).map(lambda n: tf.ones([n], tf.int32))
+    plan = plan_buckets(full, bucket_boundaries=[16, 32], batch_size=6)
+    assert int(apply_bucket_plan(full.take(10), plan).cardinality()) == unknown
+
+
+def test_fit_sees_the_epoch_length_of_a_bucketed_dataset(capsys):
+    ds, _ = _c15_dataset()
+    batches = bucket_by_length(ds, bucket_boundaries=C15_BOUNDARIES, batch_size=8)
+    expected = sum(1 for _ in batches)
+    model = keras.Sequential(
+        [keras.Input((None,), dtype="int32"), keras.layers.Embedding(64, 4),
+         keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(1)]
+    )  # fmt: skip
+    model.compile("sgd", "mse")
+
+    class Count(keras.callbacks.Callback):
+        steps = 0
+
+        def on_train_batch_end(self, batch, logs=None):
+            Count.steps += 1
+
+    model.fit(batches, epochs=2, verbose=0, shuffle=False, callbacks=[Count()])
+    assert Count.steps == 2 * expected  # no extra, empty step per epoch
+    assert int(model.optimizer.iterations) == 2 * expected
+    assert "ran out of data" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "batched, name",
+    [
+        (lambda ds: ds.padded_batch(4), "padded_batch"),
+        (lambda ds: ds.batch(1), "batch"),
+        (lambda ds: ds.padded_batch(4).prefetch(2).map(lambda x, y: (x, y)), "padded_batch"),
+        (lambda ds: bucket_by_length(ds, batch_size=4), "bucket_by_sequence_length"),
+    ],
+)
+def test_already_batched_dataset_is_rejected(batched, name):
+    ds, _ = _c15_dataset()
+    with pytest.raises(ValueError, match=rf"not batches.*`{name}.*\.unbatch\(\)`.*Received:"):
+        bucket_by_length(batched(ds), batch_size=8)
+    plan = plan_buckets(ds, batch_size=8)
+    with pytest.raises(ValueError, match="not batches"):
+        apply_bucket_plan(batched(ds), plan)
+    # After unbatch() the elements are single sequences again.
+    again = bucket_by_length(ds.padded_batch(4).unbatch(), batch_size=8)
+    assert all(np.ndim(x) == 2 for x, _ in again)

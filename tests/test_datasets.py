@@ -7,7 +7,11 @@ import pytest
 import tensorflow as tf
 
 from keras_fastloop.data import datasets
-from keras_fastloop.data.bucketing import bucket_by_length
+from keras_fastloop.data.bucketing import (
+    bucket_by_length,
+    geometric_boundaries,
+    quantile_boundaries,
+)
 from keras_fastloop.data.datasets import (
     DEFAULT_STDLIB_GROUPS,
     OOV_ID,
@@ -168,6 +172,25 @@ def test_bad_arguments(kwargs, pattern):
     with pytest.raises(ValueError, match=pattern) as info:
         load_stdlib_code(**kwargs)
     assert "Received:" in str(info.value)
+
+
+def test_default_bucketing_pads_at_most_15_percent_of_stdlib_code(data):
+    """The README's claim, with no boundaries given: token-weighted quantiles, 16 buckets."""
+    ds = sequences_to_dataset(data.x_train, data.y_train)
+    default = padding_stats(bucket_by_length(ds, batch_size=32))
+    assert default.real_tokens == sum(len(s) for s in data.x_train)  # nothing dropped
+    assert default.padding_fraction <= 0.15, default
+    assert len(default.distinct_lengths) <= 16
+    # The previous default (4 quantiles of the sequence count) padded 58.9 %.
+    lengths = [len(s) for s in data.x_train]
+    old = quantile_boundaries(lengths, 4, weighting="sequences")
+    old_stats = padding_stats(bucket_by_length(ds, bucket_boundaries=list(old), batch_size=32))
+    assert old_stats.padding_fraction > 0.5
+    geometric = geometric_boundaries(max(lengths))
+    geo_stats = padding_stats(
+        bucket_by_length(ds, bucket_boundaries=list(geometric), batch_size=32)
+    )
+    assert geo_stats.padding_fraction <= 0.15
 
 
 def test_dataset_is_usable_with_tf_data(data):

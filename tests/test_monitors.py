@@ -281,28 +281,9 @@ def _scalar_tags(run_dir):
     return tags
 
 
-class _ScalarViaWrite:
-    """`tf.summary` with `scalar` done by the low-level `tf.summary.write`.
-
-    `tf.summary.scalar` lives in the `tensorboard` package; where it is not installed this shim
-    lets the real `keras.callbacks.TensorBoard` write real event files all the same.
-    """
-
-    def __getattr__(self, name):
-        return getattr(tf.summary, name)
-
-    @staticmethod
-    def scalar(name, data, step=None, description=None):
-        return tf.summary.write(name, tf.cast(data, tf.float32), step=step)
-
-
 def _tensorboard(logdir, **kwargs):
-    callback = keras.callbacks.TensorBoard(logdir, write_graph=False, **kwargs)
-    try:
-        import tensorboard.summary.v2  # noqa: F401
-    except ImportError:
-        callback._summary_module = _ScalarViaWrite()  # see the shim's docstring
-    return callback
+    # The real callback: the `bench` extra installs `tensorboard` (tests/test_tensorboard.py).
+    return keras.callbacks.TensorBoard(logdir, write_graph=False, **kwargs)
 
 
 def test_monitor_values_reach_tensorboard_event_files(tmp_path):

@@ -16,14 +16,14 @@ def test_notebook_executes(path, tmp_path):
     NotebookClient(
         nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
     ).execute()
-    errors = [
-        o
-        for c in nb.cells
-        if c.cell_type == "code"
-        for o in c.get("outputs", [])
-        if o.output_type == "error"
-    ]
-    assert not errors
+    outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
+    assert not [o for o in outputs if o.output_type == "error"]
+    # Run from notebooks/ (Jupyter's default working directory), nothing may land in the
+    # repository: the kernel's working directory must stay empty.
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    # Figures are shown inline (a PNG in the outputs), not only written to files.
+    if any("plt." in c.source for c in nb.cells if c.cell_type == "code"):
+        assert any("image/png" in o.get("data", {}) for o in outputs), path.name
 
 
 def test_quickstart_notebook_exists():

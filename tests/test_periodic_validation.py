@@ -268,7 +268,7 @@ def _c13_callbacks(tmp_path):
         str(tmp_path / "best.keras"), monitor="val_loss", save_best_only=True
     )
     per_round = keras.callbacks.ModelCheckpoint(
-        str(tmp_path / "round-{epoch}.keras"), monitor="val_loss", save_best_only=True
+        str(tmp_path / "step-{step}.keras"), monitor="val_loss", save_best_only=True
     )
     early_stopping = keras.callbacks.EarlyStopping(monitor="val_loss", patience=2)
     reduce_lr = keras.callbacks.ReduceLROnPlateau(
@@ -297,9 +297,12 @@ def test_c13_early_stopping_and_checkpoint_act_on_step_gated_results(tmp_path):
     np.testing.assert_allclose([e["val_loss"] for e in validation.history], [1.0, 0.9, 0.95, 0.97])
     # The best checkpoint is the one from the 2nd validation (step 50).
     assert int(keras.saving.load_model(tmp_path / "best.keras").optimizer.iterations) == 50
-    assert sorted(os.listdir(tmp_path)) == ["best.keras", "round-1.keras", "round-2.keras"]
-    # patience=2: no improvement at the 3rd and 4th validation -> stop after the 4th.
-    assert early_stopping.stopped_epoch == 3
+    # `{step}` in the file name: one file per improving validation (steps 25 and 50).
+    assert sorted(os.listdir(tmp_path)) == ["best.keras", "step-25.keras", "step-50.keras"]
+    # patience=2: no improvement at the 3rd and 4th validation -> stop after the 4th, in the
+    # first (0-based: 0) training epoch, which stock EarlyStopping alone would never do.
+    assert early_stopping.stopped_epoch == 0
+    assert early_stopping.best_epoch == 0
     assert model.stop_training
     # ReduceLROnPlateau(patience=1) halved the rate after the 3rd and the 4th validation.
     assert float(model.optimizer.learning_rate) == pytest.approx(0.025)
@@ -325,6 +328,58 @@ def test_c13_early_stopping_stops_in_the_middle_of_a_long_epoch(tmp_path):
     )
     assert int(model.optimizer.iterations) == 100  # of 600 planned
     assert len(validation.history) == 4
+
+
+def test_driven_callbacks_report_the_training_epoch_and_the_step(tmp_path, capsys):
+    csv_path = tmp_path / "log.csv"
+    checkpoint = keras.callbacks.ModelCheckpoint(
+        str(tmp_path / "best.keras"), monitor="val_loss", save_best_only=True, verbose=1
+    )
+    # 100 steps per epoch, validation every 40: steps 40, 80 (epoch 0), 120, 160, 200 (epoch 1).
+    validation = PeriodicValidation(
+        forced_validation_data([1.0, 0.9, 0.8, 0.7, 0.6]),
+        every_n_steps=40,
+        callbacks=[keras.callbacks.CSVLogger(str(csv_path)), checkpoint],
+    )
+    zero_model().fit(ZEROS_X, ZEROS_Y, batch_size=1, epochs=2, verbose=0, callbacks=[validation])
+    with open(csv_path) as f:
+        rows = [line.strip().split(",") for line in f]
+    header, rows = rows[0], rows[1:]
+    column = {name: [row[header.index(name)] for row in rows] for name in ("epoch", "step")}
+    assert column == {
+        "epoch": ["0", "0", "1", "1", "1"],
+        "step": ["40", "80", "120", "160", "200"],
+    }
+    np.testing.assert_allclose(
+        [float(row[header.index("val_loss")]) for row in rows], [1.0, 0.9, 0.8, 0.7, 0.6]
+    )
+    printed = [line for line in capsys.readouterr().out.splitlines() if "improved" in line]
+    assert [line.split(":")[0].strip() for line in printed] == ["Epoch 1"] * 2 + ["Epoch 2"] * 3
+    assert [e["epoch"] for e in validation.history] == [0, 0, 1, 1, 1]
+
+
+def test_early_stopping_does_not_stop_at_the_first_validation_below_baseline():
+    # Keras' EarlyStopping never stops at the first epoch end; the first validation keeps that.
+    early_stopping = keras.callbacks.EarlyStopping(monitor="val_loss", patience=1, baseline=0.5)
+    validation = PeriodicValidation(
+        forced_validation_data([1.0, 1.0]), every_n_steps=25, callbacks=[early_stopping]
+    )
+    zero_model().fit(ZEROS_X, ZEROS_Y, batch_size=1, epochs=1, verbose=0, callbacks=[validation])
+    assert [e["step"] for e in validation.history] == [25, 50]  # stopped after the second
+    assert early_stopping.stopped_epoch == 0 and early_stopping.model.stop_training
+
+
+def test_unbatched_validation_dataset_is_rejected_when_fit_starts():
+    unbatched = tf.data.Dataset.from_tensor_slices((X_VAL, Y_VAL))
+    model = linear_model()
+    validation = PeriodicValidation(unbatched, every_n_steps=1000)
+    with pytest.raises(ValueError, match=r"must yield batches.*\(3,\).*\(None, 3\)"):
+        model.fit(X, Y, batch_size=16, epochs=1, verbose=0, callbacks=[validation])
+    assert int(model.optimizer.iterations) == 0  # before any training step
+    # The same data batched trains and validates.
+    batched = PeriodicValidation(unbatched.batch(8), every_n_steps=2)
+    model.fit(X, Y, batch_size=16, epochs=1, verbose=0, callbacks=[batched])
+    assert [e["step"] for e in batched.history] == [2, 4]
 
 
 def test_stock_callback_passed_to_fit_sees_latest_result_at_epoch_end():

@@ -9,7 +9,8 @@ wasted compute:
 
 (a) pad every batch to the longest sequence of the data set; (b) ``padded_batch``: pad each
 batch to its own longest sequence; (c) :func:`keras_fastloop.data.bucket_by_length`: batches of
-similar lengths padded to bucket boundaries (geometric, ratio 1.2: see :func:`geometric_boundaries`).
+similar lengths padded to bucket boundaries (geometric, ratio 1.2: see
+:func:`keras_fastloop.data.geometric_boundaries`).
 
 Reported per pipeline: share of padded tokens, distinct batch shapes (each one is a separate XLA
 compilation with ``jit_compile=True``), throughput in real tokens and samples per second (first
@@ -22,11 +23,15 @@ import time
 from pathlib import Path
 
 import keras
-import numpy as np
 import tensorflow as tf
 
 from keras_fastloop.bench import harness
-from keras_fastloop.data import bucket_by_length, load_stdlib_code, padding_stats
+from keras_fastloop.data import (
+    bucket_by_length,
+    geometric_boundaries,
+    load_stdlib_code,
+    padding_stats,
+)
 from keras_fastloop.data.datasets import sequences_to_dataset
 
 BATCH_SIZE = 32
@@ -43,22 +48,6 @@ def build_model(vocab_size, num_classes):
     return keras.Model(inputs, outputs)
 
 
-def geometric_boundaries(max_length, first=16, ratio=1.2, multiple=8):
-    """Boundaries ``first * ratio**k`` rounded up to a multiple of ``multiple``, then the max.
-
-    Each bucket pads a sequence by less than ``ratio - 1`` (+ rounding) of its length, so the
-    padding share stays near 10 % whatever the length distribution, with a logarithmic number
-    of buckets (18 for lengths up to 508). Quantile boundaries
-    (``bucket_by_length(bucket_boundaries=None)``) put few buckets in the long tail, where
-    padding costs the most tokens: 40 % padding with 8 buckets on this data.
-    """
-    bounds, value = set(), float(first)
-    while value < max_length:
-        bounds.add(int(np.ceil(value / multiple) * multiple))
-        value *= ratio
-    return sorted(b for b in bounds if b < max_length) + [int(max_length)]
-
-
 class Pipelines:
     """The three ways to batch the same training sequences (same shuffle seed every run)."""
 
@@ -70,7 +59,7 @@ class Pipelines:
         self.x, self.y = x, y
         self.max_length = max(len(s) for s in x)
         self.real_tokens = int(sum(len(s) for s in x))
-        self.boundaries = geometric_boundaries(self.max_length)
+        self.boundaries = list(geometric_boundaries(self.max_length))
 
     def _base(self):
         ds = sequences_to_dataset(self.x, self.y)
@@ -84,11 +73,10 @@ class Pipelines:
         return self._base().padded_batch(BATCH_SIZE).prefetch(tf.data.AUTOTUNE)
 
     def bucketing(self):
+        # No `max_length`: the build-time length scan reads every sequence, so the dataset
+        # declares its number of batches, like (a) and (b) (no extra empty step per epoch).
         return bucket_by_length(
-            self._base(),
-            bucket_boundaries=self.boundaries,
-            batch_size=BATCH_SIZE,
-            max_length=self.max_length,
+            self._base(), bucket_boundaries=self.boundaries, batch_size=BATCH_SIZE
         )
 
     def validation(self):

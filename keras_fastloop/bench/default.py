@@ -279,7 +279,9 @@ def run(
         f"validation after every epoch (except the PeriodicValidation contender: every 2 epochs), {rounds} alternating rounds (medians).\n\n"
         f"{table}\n{_flops_section(rows, choice, choice_seconds)}\n{SEED_CLAIM}\n"
     )
-    harness.plot_curves(runs, out_dir / "default.png", "digits CNN: loss vs wall time")
+    harness.plot_curves(
+        runs, out_dir / "default.png", "digits CNN: loss vs wall time", target_loss=target_loss
+    )
     payload = {
         "suite": "default",
         "machine": machine,

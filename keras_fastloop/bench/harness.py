@@ -191,26 +191,92 @@ def markdown_table(rows, baseline, target_loss):
     return head + "\n".join(lines) + "\n"
 
 
-def plot_curves(runs, path, title):
-    """Training loss against wall time, one line per contender (its first round)."""
+def median_round(runs_of_one, target_loss=None):
+    """Index of the representative round: the (lower) median by time to target, else by time.
+
+    Args:
+        runs_of_one: list of `Run` of one contender (its rounds).
+        target_loss: float or None. With a target that every round reached, rounds are ranked
+            by `time_to_loss(target_loss)`; otherwise by `total_seconds`.
+
+    Returns:
+        int, the index in `runs_of_one` of the round at rank `(len - 1) // 2`.
+    """
+    keys = [r.time_to_loss(target_loss) for r in runs_of_one] if target_loss is not None else []
+    if not keys or any(k != k for k in keys):  # a NaN: some round never reached the target
+        keys = [r.total_seconds for r in runs_of_one]
+    order = sorted(range(len(runs_of_one)), key=lambda i: (keys[i], i))
+    return order[(len(order) - 1) // 2]
+
+
+def plot_curves(runs, path, title, target_loss=None):
+    """Loss against wall time (left) and median throughput (right), saved to `path`.
+
+    Left: every round of every contender as a faint line, its median round (`median_round`)
+    bold, and the target loss as a dashed horizontal line. Right: a horizontal bar per
+    contender with its median throughput (samples/s, first epoch excluded), the same figure
+    as the report's table.
+
+    Args:
+        runs: `{name: [Run, ...]}` from `run_alternating`.
+        path: file name of the PNG.
+        title: str, title of the curves.
+        target_loss: float or None (default). Drawn when given.
+
+    Returns:
+        The (closed) `matplotlib.figure.Figure`, for inspection.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name, rs in runs.items():
-        seconds, losses = zip(*rs[0].curve)
-        ax.plot(seconds, losses, marker="o", markersize=3, label=name)
+    names = list(runs)
+    fig, (ax, bars) = plt.subplots(
+        1, 2, figsize=(12, 4.8), gridspec_kw={"width_ratios": [3, 2]}, layout="constrained"
+    )
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    rounds = max(len(rs) for rs in runs.values())
+    for k, name in enumerate(names):
+        rs = runs[name]
+        color = colors[k % len(colors)]
+        chosen = median_round(rs, target_loss)
+        for i, run in enumerate(rs):
+            seconds, losses = zip(*run.curve)
+            if i == chosen:
+                ax.plot(seconds, losses, color=color, marker="o", markersize=3, label=name)
+            else:
+                ax.plot(seconds, losses, color=color, alpha=0.25, linewidth=1)
+    if target_loss is not None:
+        ax.axhline(target_loss, color="black", linestyle="--", linewidth=1)
+        ax.annotate(
+            f"target {target_loss:g}",
+            (0.99, target_loss),
+            xycoords=("axes fraction", "data"),
+            ha="right",
+            va="bottom",
+            fontsize=8,
+        )
     ax.set_xlabel("wall time (s, training + validation)")
     ax.set_ylabel("epoch training loss")
     ax.set_yscale("log")
-    ax.set_title(title)
+    ax.set_title(f"{title}\n(bold: median round of {rounds}; faint: the others)", fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
+    ax.legend(fontsize=7)
+
+    throughput = [_median([r.throughput() for r in runs[name]]) for name in names]
+    positions = list(range(len(names)))[::-1]  # first contender on top
+    bars.barh(positions, throughput, color=[colors[k % len(colors)] for k in range(len(names))])
+    bars.set_yticks(positions, [name if len(name) <= 40 else name[:39] + "…" for name in names])
+    bars.tick_params(axis="y", labelsize=7)
+    bars.set_xlabel("samples/s (median over rounds, first epoch excluded)")
+    bars.set_title("throughput", fontsize=10)
+    bars.grid(axis="x", alpha=0.3)
+    for y, value in zip(positions, throughput):
+        bars.annotate(f" {value:.0f}", (value, y), va="center", fontsize=7)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return fig
 
 
 def _strict_json(value):

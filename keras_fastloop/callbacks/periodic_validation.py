@@ -69,12 +69,19 @@ class PeriodicValidation(keras.callbacks.Callback):
       of every epoch in which at least one validation ran (the latest result). Epochs
       without a validation get no `val_*` keys, as with Keras' `validation_freq`.
       `History` (which `fit` appends last) therefore records `val_*` per epoch.
-    - Callbacks passed in `callbacks=`: their `on_epoch_end(round, logs)` is called
-      after every validation, where `round` is the 0-based index of the validation and
-      `logs` holds the training logs of that moment plus the `val_*` results. This is how
-      stock `EarlyStopping` / `ModelCheckpoint` / `ReduceLROnPlateau` act mid-epoch: every
-      count they keep (`patience`, `start_from_epoch`, `cooldown`, the `{epoch}` of a
-      checkpoint file name, the "Epoch N" of their messages) counts validation rounds.
+    - Callbacks passed in `callbacks=`: their `on_epoch_end(epoch, logs)` is called
+      after every validation. `epoch` is the 0-based training epoch *during which* the
+      validation ran (Keras' own meaning, so "Epoch 1:" in their messages means the first
+      epoch, and several validations of one epoch share it); `logs` holds the training
+      logs of that moment, the `val_*` results and `"step"`, the optimizer step the
+      validation saw. This is how stock `EarlyStopping` / `ModelCheckpoint` /
+      `ReduceLROnPlateau` / `CSVLogger` act mid-epoch: counts they keep per call
+      (`patience`, `cooldown`) count validations; `start_from_epoch`, `best_epoch`,
+      `stopped_epoch`, the `{epoch}` of a checkpoint file name and `CSVLogger`'s `epoch`
+      column are training epochs; use `{step}` in a `ModelCheckpoint` file name (e.g.
+      `"ckpt-{step}.keras"`) for one file per validation, and read `CSVLogger`'s `step`
+      column for the exact position. `EarlyStopping` can stop during the first epoch
+      (its own `epoch > 0` guard is applied as "not at the first validation" instead).
       Their `on_train_begin` / `on_train_end` are forwarded too (e.g. for
       `restore_best_weights`). Do not also pass them to `fit`, or they act twice. A
       callback passed directly to `fit` instead acts at epoch ends on the latest result.
@@ -142,7 +149,9 @@ class PeriodicValidation(keras.callbacks.Callback):
         ValueError: At construction, if not exactly one frequency is given, if a
             frequency, `validation_steps` or `batch_size` is not a positive integer,
             if `validation_data` is missing, if `callbacks` holds a non-callback, or if
-            `backup_dir` is not a non-empty path.
+            `backup_dir` is not a non-empty path. At the start of `fit`, if a
+            `tf.data.Dataset` `validation_data` is not batched (its elements have one
+            axis fewer than the model's inputs).
 
     Example:
 
@@ -260,6 +269,7 @@ class PeriodicValidation(keras.callbacks.Callback):
             callback.set_params(params)
 
     def on_train_begin(self, logs=None):
+        self._check_validation_batched()
         for callback in self.callbacks:
             callback.on_train_begin(logs)
         if self._pending_callback_state is not None:  # set_state() was called: resume
@@ -313,6 +323,42 @@ class PeriodicValidation(keras.callbacks.Callback):
 
     # -- validation -------------------------------------------------------------------------
 
+    def _check_validation_batched(self):
+        """Raises at the start of `fit` when a `tf.data` validation set is not batched.
+
+        An unbatched dataset would otherwise fail at the first validation, mid-training,
+        with a layer-shape error. Detected when every input of `x` has exactly one axis
+        fewer than the model's corresponding input (models with known `inputs` only).
+        """
+        import tensorflow as tf
+
+        if not isinstance(self._x, tf.data.Dataset):
+            return
+        try:
+            model_inputs = list(self.model.inputs or [])  # flattened, as tf.nest does
+        except (AttributeError, ValueError):  # subclassed model: no symbolic inputs
+            return
+        spec = self._x.element_spec
+        x_spec = spec[0] if isinstance(spec, tuple) and 1 <= len(spec) <= 3 else spec
+        leaves = tf.nest.flatten(x_spec)
+        if not model_inputs or len(leaves) != len(model_inputs):
+            return
+        pairs = list(zip(leaves, model_inputs))
+        ranks = [
+            (getattr(leaf, "shape", None), tuple(model_input.shape)) for leaf, model_input in pairs
+        ]
+        if ranks and all(
+            shape is not None and shape.rank is not None and shape.rank + 1 == len(expected)
+            for shape, expected in ranks
+        ):
+            shape, expected = ranks[0]
+            raise ValueError(
+                "`validation_data` must yield batches: its elements have shape "
+                f"{tuple(shape)}, one axis fewer than the model's input {expected}. "
+                "Call `.batch(batch_size)` (or `kf.data.bucket_by_length`) on the dataset. "
+                f"Received: validation_data with element_spec={spec}"
+            )
+
     def _current_step(self):
         return int(keras.ops.convert_to_numpy(self.model.optimizer.iterations))
 
@@ -349,11 +395,27 @@ class PeriodicValidation(keras.callbacks.Callback):
             values = " - ".join(f"{name}: {value:.4f}" for name, value in val_logs.items())
             print(f"Step {step}: {values}")
         if self.callbacks:
-            callback_logs = {**(train_logs or {}), **val_logs}
-            validation_round = len(self.history) - 1
+            callback_logs = {**(train_logs or {}), **val_logs, "step": step}
             for callback in self.callbacks:
-                callback.on_epoch_end(validation_round, callback_logs)
+                self._drive(callback, callback_logs)
         return val_logs
+
+    def _drive(self, callback, logs):
+        """Calls `callback.on_epoch_end` with the training epoch (see the class docstring)."""
+        if not isinstance(callback, keras.callbacks.EarlyStopping) or self._epoch > 0:
+            callback.on_epoch_end(self._epoch, logs)
+            return
+        # Stock EarlyStopping never stops while `epoch == 0` (its `epoch > 0` guard, meant
+        # for epoch-end use), so mid-epoch validations of the first epoch could never stop
+        # training: apply its rule (patience exceeded without improvement) here, with the
+        # guard read as "not at the first validation".
+        best, wait = callback.best, callback.wait
+        callback.on_epoch_end(0, logs)
+        no_improvement = callback.best == best and callback.wait > wait
+        later_validation = len(self.history) > 1  # Keras: never at the very first epoch end
+        if no_improvement and later_validation and callback.wait >= callback.patience:
+            callback.stopped_epoch = 0
+            self.model.stop_training = True
 
     # -- crash safety (backup_dir) -------------------------------------------------------------
 

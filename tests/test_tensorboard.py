@@ -1,0 +1,114 @@
+"""The README's TensorBoard scalars (grad_norm, loss scale, task weights) reach real event files.
+
+`keras.callbacks.TensorBoard` needs the `tensorboard` package, which TensorFlow 2.21 no longer
+installs; the `bench` extra (and so `test`) brings it. These tests use the real callback, with
+no shim: they fail where the documented install cannot write TensorBoard scalars.
+"""
+
+import glob
+import os
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import keras_fastloop as kf
+
+
+def _scalars(run_dir):
+    """{tag: [(step, value), ...]} read back from every event file under `run_dir`."""
+    paths = glob.glob(os.path.join(run_dir, "events.out.tfevents.*"))
+    assert paths, f"no event file under {run_dir}"
+    tags = {}
+    for path in paths:
+        for event in tf.compat.v1.train.summary_iterator(path):
+            for value in event.summary.value:
+                if value.HasField("tensor"):
+                    number = float(tf.make_ndarray(value.tensor))
+                else:
+                    number = float(value.simple_value)
+                tags.setdefault(value.tag, []).append((int(event.step), number))
+    return tags
+
+
+class _EpochLogs(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.epochs = []
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.epochs.append(dict(logs))
+
+
+def test_tensorboard_package_is_installed_with_the_documented_extras():
+    import tensorboard  # noqa: F401  (the `bench` extra must bring it)
+
+    keras.callbacks.TensorBoard(log_dir="unused")._summary_module  # noqa: B018
+
+
+def test_grad_norm_and_loss_scale_reach_tensorboard(tmp_path):
+    keras.config.set_dtype_policy("mixed_float16")
+    try:
+        inputs = keras.Input((4,))
+        hidden = keras.layers.Dense(8, activation="relu")(inputs)
+        outputs = keras.layers.Dense(1, dtype="float32")(hidden)
+        model = kf.OptimizedModel(inputs, outputs)
+        model.compile(keras.optimizers.SGD(0.01), "mse", gradient_clipping=1.0)
+        rng = np.random.default_rng(0)
+        x = rng.normal(size=(32, 4)).astype("float32")
+        y = rng.normal(size=(32, 1)).astype("float32")
+        logdir = str(tmp_path / "tb")
+        seen = _EpochLogs()
+        model.fit(
+            x,
+            y,
+            batch_size=8,
+            epochs=2,
+            verbose=0,
+            callbacks=[seen, keras.callbacks.TensorBoard(logdir, write_graph=False)],
+        )
+    finally:
+        keras.config.set_dtype_policy("float32")
+    train = _scalars(os.path.join(logdir, "train"))
+    for key in ("epoch_loss", "epoch_grad_norm", "epoch_loss_scale"):
+        assert [step for step, _ in train[key]] == [0, 1], key
+    # The values written are the epoch logs fit returned (float32 in the event file).
+    for epoch, logs in enumerate(seen.epochs):
+        np.testing.assert_allclose(train["epoch_grad_norm"][epoch][1], logs["grad_norm"], 1e-6)
+        np.testing.assert_allclose(train["epoch_loss_scale"][epoch][1], logs["loss_scale"], 1e-6)
+    assert train["epoch_loss_scale"][0][1] > 1.0  # a real dynamic scale, not a placeholder
+    assert all(value > 0.0 for _, value in train["epoch_grad_norm"])
+
+
+def test_task_weights_reach_tensorboard(tmp_path):
+    inputs = keras.Input((4,))
+    hidden = keras.layers.Dense(8, activation="relu")(inputs)
+    model = kf.OptimizedModel(
+        inputs,
+        {
+            "a": keras.layers.Dense(1, name="a")(hidden),
+            "b": keras.layers.Dense(1, name="b")(hidden),
+        },
+    )
+    model.compile(keras.optimizers.SGD(0.05), {"a": "mse", "b": "mse"}, loss_weighting="uw")
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(32, 4)).astype("float32")
+    y = {"a": rng.normal(size=(32, 1)), "b": 3.0 * rng.normal(size=(32, 1))}
+    logdir = str(tmp_path / "tb")
+    seen = _EpochLogs()
+    model.fit(
+        x,
+        y,
+        batch_size=8,
+        epochs=2,
+        verbose=0,
+        callbacks=[seen, keras.callbacks.TensorBoard(logdir, write_graph=False)],
+    )
+    train = _scalars(os.path.join(logdir, "train"))
+    for task in ("a", "b"):
+        key = f"epoch_{task}_weight"
+        assert [step for step, _ in train[key]] == [0, 1], key
+        for epoch, logs in enumerate(seen.epochs):
+            np.testing.assert_allclose(train[key][epoch][1], logs[f"{task}_weight"], 1e-6)
+    # uw learns different weights for tasks of different noise: the scalars are not constants.
+    assert train["epoch_a_weight"][-1][1] != train["epoch_b_weight"][-1][1]
