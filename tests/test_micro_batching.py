@@ -399,17 +399,18 @@ def test_mirrored_strategy_two_replicas_accumulate_per_replica_share():
     def step(xb, yb):
         def replica_fn(xr, yr):
             result = micro_batching.accumulate(model, xr, yr, None, model.trainable_variables, 3)
-            return distributed.all_reduce_sum(result.grads)
+            return distributed.all_reduce_sum([*result.grads, result.loss])
 
         return strategy.experimental_local_results(strategy.run(replica_fn, args=(xb, yb)))[0]
 
-    grads = step(*next(iter(dist)))
+    *grads, global_loss = step(*next(iter(dist)))
     with tf.GradientTape() as tape:
         loss = keras.losses.SparseCategoricalCrossentropy()(y, ref(x))
     expected = tape.gradient(loss, ref.trainable_variables)
     for g, e in zip(grads, expected):
         np.testing.assert_allclose(g, e, atol=1e-6)
-    assert float(model.metrics[0].result()) == pytest.approx(float(loss), abs=1e-6)
+    # per-replica losses are 1/R-scaled: their sum is the global batch's loss
+    assert float(global_loss) == pytest.approx(float(loss), abs=1e-6)
 
 
 def test_jit_compile_with_ragged_last_micro_batch():
