@@ -4,6 +4,8 @@ Keras 3 keeps a few things we need off its public API. Each one is imported here
 else, and ``tests/test_keras_internals.py`` fails loudly if a Keras upgrade moves or changes them.
 """
 
+import contextlib
+
 from keras.src.backend import get_keras_mask
 from keras.src.backend.tensorflow.trainer import reduce_per_replica
 from keras.src.losses.loss import scale_loss_for_distribution, unscale_loss_for_distribution
@@ -27,10 +29,28 @@ def set_compile_loss_entries(compile_loss, entries):
     compile_loss._flat_losses = list(entries)
 
 
+@contextlib.contextmanager
+def unlocked_state(layer):
+    """Let ``layer.add_weight`` run on a built layer (Keras locks a layer's state after build).
+
+    For step state whose shape is known only once a subclassed model has been called (e.g. one
+    trainable log-variance per task), created before the first update is traced to the end.
+    """
+    tracker = layer._tracker
+    locked = tracker.locked
+    tracker.unlock()
+    try:
+        yield
+    finally:
+        if locked:
+            tracker.lock()
+
+
 __all__ = [
     "CompileLoss",
     "compile_loss_entries",
     "set_compile_loss_entries",
+    "unlocked_state",
     "Functional",
     "Trainer",
     "functional_init_arguments",

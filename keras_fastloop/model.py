@@ -96,3 +96,10 @@ class OptimizedSequential(OptimizedTrainer, keras.Sequential):
         >>> model = OptimizedSequential([keras.Input((8,)), keras.layers.Dense(1)])
         >>> model.compile("sgd", "mse", gradient_clipping=1.0)
     """
+
+
+# Legacy `.h5` files store a model's bare class name (``model.__class__.__name__``), which
+# `keras.saving.load_model` then looks up among the custom objects: register it there too.
+keras.saving.get_custom_objects().update(
+    {"OptimizedModel": OptimizedModel, "OptimizedSequential": OptimizedSequential}
+)

@@ -16,13 +16,14 @@ def _model_variable(model, name, shape, value):
     for variable in model.trainable_variables:
         if variable.name == name and tuple(variable.shape) == tuple(shape):
             return variable
-    return model.add_weight(
-        shape=shape,
-        initializer=keras.initializers.Constant(value),
-        dtype="float32",
-        trainable=True,
-        name=name,
-    )
+    with internals.unlocked_state(model):  # a subclassed model is built by its first call
+        return model.add_weight(
+            shape=shape,
+            initializer=keras.initializers.Constant(value),
+            dtype="float32",
+            trainable=True,
+            name=name,
+        )
 
 
 @keras.saving.register_keras_serializable(package=_PACKAGE)

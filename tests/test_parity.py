@@ -1,0 +1,418 @@
+"""Drop-in parity (issue 12): what works with keras.Model / keras.Sequential works the same here.
+
+Every test builds the same model twice from one seed, once with Keras' class and once with ours,
+trains both the same way and compares History (keys and values) and weights.
+"""
+
+import os
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_fastloop as kf
+from conftest import two_replica_strategy
+
+
+def rng_data(n=32, d=4, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=(n, d)).astype("float32"), rng.normal(size=(n, 1)).astype("float32")
+
+
+def fit_pair(build, compile_kwargs, fit_args, fit_kwargs=None, classes=None):
+    """``build(cls)`` twice (same seed), compile and fit both; returns the two (history, model)."""
+    classes = classes or (keras.Model, kf.OptimizedModel)
+    results = []
+    for cls in classes:
+        keras.utils.set_random_seed(7)
+        model = build(cls)
+        kwargs = dict(compile_kwargs)
+        if callable(kwargs.get("optimizer")):  # one optimizer instance per model
+            kwargs["optimizer"] = kwargs["optimizer"]()
+        model.compile(**kwargs)
+        history = model.fit(*fit_args, verbose=0, shuffle=False, **(fit_kwargs or {}))
+        results.append((history.history, model))
+    return results
+
+
+def assert_same(pair, atol=1e-6):
+    (h_ref, m_ref), (h, m) = pair
+    assert set(h) == set(h_ref)
+    for key in h_ref:
+        np.testing.assert_allclose(h[key], h_ref[key], atol=atol, err_msg=key)
+    for a, b in zip(m_ref.get_weights(), m.get_weights()):
+        np.testing.assert_allclose(b, a, atol=atol)
+
+
+# ------------------------------------------------------------------ 1. compile without a loss
+
+
+class AddLossDense(keras.layers.Layer):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(1)
+
+    def call(self, x):
+        out = self.dense(x)
+        self.add_loss(keras.ops.mean(out**2))
+        return out
+
+
+def test_add_loss_only_model_trains_like_keras():
+    x, _ = rng_data()
+
+    def build(cls):
+        i = keras.Input((4,))
+        return cls(i, AddLossDense()(i))
+
+    pair = fit_pair(build, {"optimizer": "sgd"}, (x,), {"batch_size": 8, "epochs": 2})
+    assert_same(pair)
+    assert pair[1][0]["loss"][0] > 0
+
+
+def test_compile_without_loss_for_inference_and_saving(tmp_path):
+    x, _ = rng_data()
+    i = keras.Input((4,))
+    model = kf.OptimizedModel(i, keras.layers.Dense(2)(i))
+    model.compile(optimizer="adam")
+    assert model.predict(x, verbose=0).shape == (32, 2)
+    path = os.path.join(tmp_path, "m.keras")
+    model.save(path)
+    loaded = keras.saving.load_model(path)
+    assert type(loaded).__name__ == "OptimizedModel"
+    np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0))
+    with pytest.raises(ValueError, match="No loss to compute"):
+        model.fit(x, x[:, :2], verbose=0)
+
+
+# ------------------------------------------------------------- 2. an overridden compute_loss
+
+
+def _plus_100(base):
+    class Plus100(base):
+        def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+            loss = super().compute_loss(x, y, y_pred, sample_weight, training)
+            return loss + 100.0
+
+    return Plus100
+
+
+def test_overridden_compute_loss_is_used():
+    x, y = rng_data()
+
+    def build(cls):
+        i = keras.Input((4,))
+        return _plus_100(cls)(i, keras.layers.Dense(1)(i))
+
+    pair = fit_pair(
+        build, {"optimizer": "sgd", "loss": "mse"}, (x, y), {"batch_size": 8, "epochs": 2}
+    )
+    assert_same(pair)
+    assert pair[1][0]["loss"][0] > 100.0
+
+
+def test_overridden_compute_loss_refuses_per_task_features():
+    i = keras.Input((4,))
+    model = _plus_100(kf.OptimizedModel)(
+        i, {"a": keras.layers.Dense(1)(i), "b": keras.layers.Dense(1)(i)}
+    )
+    with pytest.raises(ValueError, match="compute_loss.*Received: loss_weighting='uw'"):
+        model.compile("sgd", {"a": "mse", "b": "mse"}, loss_weighting="uw")
+    with pytest.raises(ValueError, match="compute_loss.*Received: micro_batch_size=4"):
+        model.compile("sgd", {"a": "mse", "b": "mse"}, micro_batch_size=4)
+
+
+# ------------------------------------------------- 3. a functional subclass keeps the bases intact
+
+
+def test_functional_subclass_does_not_rewrite_the_class_hierarchy():
+    bases = kf.OptimizedModel.__bases__
+
+    class FunctionalInInit(kf.OptimizedModel):
+        def __init__(self):
+            i = keras.Input((4,))
+            super().__init__(inputs=i, outputs=keras.layers.Dense(1)(i))
+
+    model = FunctionalInInit()
+    assert isinstance(model, FunctionalInInit) and isinstance(model, kf.OptimizedModel)
+    model.compile("sgd", "mse")
+    x, y = rng_data()
+    model.fit(x, y, verbose=0)
+    assert kf.OptimizedModel.__bases__ == bases
+
+    class Subclassed(kf.OptimizedModel):
+        def __init__(self):
+            super().__init__()
+            self.dense = keras.layers.Dense(1)
+
+        def call(self, x):
+            return self.dense(x)
+
+    later = Subclassed()  # failed with "Functional.__init__() missing 2 arguments"
+    later.compile("sgd", "mse")
+    later.fit(x, y, verbose=0)
+
+
+# ------------------------------------------------------------------------ 4. structured losses
+
+
+def _two_heads(cls, keys=("b", "c"), shared=False):
+    i = keras.Input((4,))
+    h = keras.layers.Dense(3, activation="relu")(i)
+    first = keras.layers.Dense(1, activation="sigmoid")(h)
+    second = first if shared else keras.layers.Dense(1, activation="sigmoid")(h)
+    return cls(i, {keys[0]: first, keys[1]: second})
+
+
+def _binary_targets(n=32, keys=("b", "c")):
+    rng = np.random.default_rng(1)
+    return {k: rng.integers(0, 2, (n, 1)).astype("float32") for k in keys}
+
+
+@pytest.mark.parametrize(
+    "loss, loss_weights",
+    [
+        ({"b": ["binary_crossentropy"], "c": "mse"}, None),  # a list inside a dict
+        ({"b": "binary_crossentropy", "c": "mse"}, {"b": 0.3, "c": 2.0}),  # keys != layer names
+        ({"b": "binary_crossentropy"}, None),  # one output without a loss
+    ],
+)
+def test_dict_losses_whose_keys_are_not_layer_names(loss, loss_weights):
+    x, _ = rng_data()
+    pair = fit_pair(
+        _two_heads,
+        {"optimizer": "adam", "loss": loss, "loss_weights": loss_weights},
+        (x, _binary_targets()),
+        {"batch_size": 8, "epochs": 2},
+    )
+    assert_same(pair)
+
+
+def test_two_dict_outputs_that_share_one_tensor():
+    x, _ = rng_data()
+    pair = fit_pair(
+        lambda cls: _two_heads(cls, shared=True),
+        {"optimizer": "adam", "loss": {"b": "binary_crossentropy", "c": "mse"}},
+        (x, _binary_targets()),
+        {"batch_size": 8, "epochs": 2},
+    )
+    assert_same(pair)
+
+
+def _nested(cls):
+    i = keras.Input((4,))
+    h = keras.layers.Dense(3)(i)
+    return cls(
+        i,
+        {
+            "pair": [keras.layers.Dense(1, name="p1")(h), keras.layers.Dense(2, name="p2")(h)],
+            "single": keras.layers.Dense(1, name="single")(h),
+        },
+    )
+
+
+def test_nested_outputs_with_losses_and_weights_on_sub_structures():
+    x, y = rng_data()
+    targets = {"pair": [y, np.concatenate([y, -y], 1)], "single": 2 * y}
+    pair = fit_pair(
+        _nested,
+        {
+            "optimizer": "sgd",
+            "loss": {"pair": ["mse", "mae"], "single": "mse"},
+            "loss_weights": {"pair": [0.5, 2.0], "single": 1.5},
+        },
+        (x, targets),
+        {"batch_size": 8, "epochs": 2},
+    )
+    assert_same(pair)
+
+
+# --------------------------------------------------- 5. state created before the first trace
+
+
+class TwoHeadNet(kf.OptimizedModel):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.hidden = keras.layers.Dense(8, activation="relu")
+        self.a = keras.layers.Dense(1)
+        self.b = keras.layers.Dense(1)
+
+    def call(self, x):
+        h = self.hidden(x)
+        return {"a": self.a(h), "b": self.b(h)}
+
+
+@pytest.mark.parametrize("loss_weighting", [None, "uw", "dwa"])
+def test_subclassed_model_fits_saves_and_loads(tmp_path, loss_weighting):
+    x, y = rng_data()
+    targets = {"a": y, "b": -y}
+    model = TwoHeadNet()
+    model.compile("adam", {"a": "mse", "b": "mse"}, loss_weighting=loss_weighting)
+    model.fit(x, targets, batch_size=8, epochs=2, verbose=0)
+    path = os.path.join(tmp_path, "net.keras")
+    model.save(path)
+    loaded = keras.saving.load_model(path, custom_objects={"TwoHeadNet": TwoHeadNet})
+    for a, b in zip(model.get_weights(), loaded.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    state = {v.path: v.numpy() for v in model._fastloop_state.weights}
+    for v in loaded._fastloop_state.weights:
+        np.testing.assert_array_equal(v.numpy(), state[v.path])
+    # training continues identically after the load
+    h1 = model.fit(x, targets, batch_size=8, epochs=1, verbose=0).history
+    h2 = loaded.fit(x, targets, batch_size=8, epochs=1, verbose=0).history
+    for key in h1:
+        np.testing.assert_allclose(h2[key], h1[key], rtol=1e-6, err_msg=key)
+
+
+# --------------------------------------------------------------------------- 6. legacy .h5
+
+
+def test_legacy_h5_save_and_load(tmp_path):
+    x, y = rng_data()
+    i = keras.Input((4,))
+    model = kf.OptimizedModel(i, keras.layers.Dense(1)(i))
+    # a loss object: Keras 3.15 cannot reload a string loss from .h5, with keras.Model too
+    model.compile("sgd", keras.losses.MeanSquaredError())
+    model.fit(x, y, verbose=0)
+    path = os.path.join(tmp_path, "m.h5")
+    model.save(path)
+    loaded = keras.saving.load_model(path)
+    assert isinstance(loaded, kf.OptimizedModel)
+    np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0))
+    seq = kf.OptimizedSequential([keras.Input((4,)), keras.layers.Dense(1)])
+    seq.compile("sgd", keras.losses.MeanSquaredError())
+    seq.save(path)
+    assert isinstance(keras.saving.load_model(path), kf.OptimizedSequential)
+
+
+# ---------------------------------------------------- 7. variables without a gradient stay put
+
+
+@pytest.mark.parametrize(
+    "optimizer",
+    [
+        lambda: keras.optimizers.AdamW(0.01, weight_decay=0.1),
+        lambda: keras.optimizers.SGD(0.1, momentum=0.9, weight_decay=0.01),
+    ],
+)
+def test_variables_without_gradient_are_not_updated(optimizer):
+    x, y = rng_data()
+
+    def build(cls):
+        i = keras.Input((4,))
+        h = keras.layers.Dense(3)(i)
+        return cls(
+            i,
+            {
+                "used": keras.layers.Dense(1, name="used")(h),
+                "unused": keras.layers.Dense(1, name="unused")(h),
+            },
+        )
+
+    pair = fit_pair(
+        build,
+        {"optimizer": optimizer, "loss": {"used": "mse"}},
+        (x, {"used": y, "unused": y}),
+        {"batch_size": 8, "epochs": 2},
+    )
+    assert_same(pair)
+    model = pair[1][1]
+    keras.utils.set_random_seed(7)
+    initial = build(keras.Model)
+    untouched = initial.get_layer("unused").get_weights()
+    for a, b in zip(model.get_layer("unused").get_weights(), untouched):
+        np.testing.assert_array_equal(a, b)
+
+
+# --------------------------------------------------------- 8. logs: keras.Model's keys exactly
+
+
+def test_features_off_logs_are_keras_logs_with_validation():
+    x, y = rng_data(40)
+    pair = fit_pair(
+        _single,
+        {"optimizer": "adam", "loss": "mse", "metrics": ["mae"]},
+        (x, y),
+        {"batch_size": 16, "epochs": 2, "validation_split": 0.25},
+    )
+    assert_same(pair)
+    assert set(pair[1][0]) == {"loss", "mae", "val_loss", "val_mae"}
+
+
+def _single(cls):
+    i = keras.Input((4,))
+    return cls(i, keras.layers.Dense(1)(keras.layers.Dense(3, activation="tanh")(i)))
+
+
+def test_requested_step_metrics_are_logged_and_kept_out_of_evaluate():
+    x, y = rng_data()
+    model = _single(kf.OptimizedModel)
+    model.compile("sgd", "mse", log_metrics=["grad_norm", "skipped_steps"])
+    history = model.fit(x, y, batch_size=8, epochs=2, validation_split=0.25, verbose=0).history
+    assert set(history) == {"loss", "grad_norm", "skipped_steps", "val_loss"}
+    assert history["skipped_steps"] == [0, 0]
+    assert set(model.evaluate(x, y, verbose=0, return_dict=True)) == {"loss"}
+    with pytest.raises(ValueError, match="log_metrics"):
+        model.compile("sgd", "mse", log_metrics=["grad_nrom"])
+
+
+def test_mirrored_uneven_last_batch_reports_the_one_replica_epoch_loss():
+    strategy = two_replica_strategy()
+    x, y = rng_data(19)  # batches of 8, 8 and 3 (split 2/1 over the replicas)
+    one = _single(kf.OptimizedModel)
+    with strategy.scope():
+        two = _single(kf.OptimizedModel)
+        two.compile(keras.optimizers.SGD(0.0), "mse", metrics=["mae"])
+    two.set_weights(one.get_weights())
+    one.compile(keras.optimizers.SGD(0.0), "mse", metrics=["mae"])
+    h1 = one.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False).history
+    h2 = two.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False).history
+    assert set(h1) == set(h2)
+    for key in h1:
+        np.testing.assert_allclose(h2[key], h1[key], rtol=1e-5, err_msg=key)
+
+
+# ------------------------------------------------------------------------------ 9. Sequential
+
+
+def test_sequential_equals_keras_sequential_and_saves_as_itself(tmp_path):
+    x, y = rng_data()
+
+    def build(cls):
+        return cls(
+            [keras.Input((4,)), keras.layers.Dense(3, activation="relu"), keras.layers.Dense(1)]
+        )
+
+    pair = fit_pair(
+        build,
+        {"optimizer": "adam", "loss": "mse", "metrics": ["mae"]},
+        (x, y),
+        {"batch_size": 8, "epochs": 2},
+        classes=(keras.Sequential, kf.OptimizedSequential),
+    )
+    assert_same(pair)
+    model = pair[1][1]
+    path = os.path.join(tmp_path, "seq.keras")
+    model.save(path)
+    loaded = keras.saving.load_model(path)
+    assert type(loaded) is kf.OptimizedSequential
+    np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0))
+
+
+def test_sequential_takes_every_feature():
+    x, y = rng_data()
+    model = kf.OptimizedSequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse", gradient_clipping=1.0, micro_batch_size=4)
+    history = model.fit(x, y, batch_size=8, verbose=0).history
+    assert set(history) == {"loss", "grad_norm"}
+    assert np.isfinite(history["loss"][0])
+
+
+def test_wrapping_an_existing_model_shares_its_layers():
+    base = _single(keras.Model)
+    wrapped = kf.OptimizedModel(base.inputs, base.outputs)
+    assert wrapped.layers[1] is base.layers[1]
+    x, y = rng_data()
+    np.testing.assert_array_equal(wrapped.predict(x, verbose=0), base.predict(x, verbose=0))
+    tf.debugging.assert_equal(wrapped.trainable_variables[0], base.trainable_variables[0])
