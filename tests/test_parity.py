@@ -10,9 +10,9 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from conftest import two_replica_strategy
 
 import keras_fastloop as kf
-from conftest import two_replica_strategy
 
 
 def rng_data(n=32, d=4, seed=0):
