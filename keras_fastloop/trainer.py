@@ -592,6 +592,16 @@ class OptimizedTrainer(ExactResumeMixin):
         return {}
 
     def compile_from_config(self, config):
+        if type(self).compile is not OptimizedTrainer.compile:  # as keras.Model does
+            warnings.warn(
+                "`compile()` was not called as part of model loading because the model's "
+                "`compile()` method is custom. All subclassed Models that have `compile()` "
+                "overridden should also override `get_compile_config()` and "
+                "`compile_from_config(config)`. Alternatively, you can call `compile()` "
+                "manually after loading.",
+                stacklevel=2,
+            )
+            return
         config = dict(config)
         task_names = config.pop("task_names", None)
         task_weights = config.pop("task_weights", None)
