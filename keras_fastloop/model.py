@@ -156,6 +156,7 @@ class OptimizedModel(ExactResumeMixin, keras.Model):
         """
         clipper = clipping_module.get(gradient_clipping)
         weighting = weighting_module.get(loss_weighting)
+        weighting_module.check_loss_weights(weighting, loss_weights)
         if nonfinite not in NONFINITE_POLICIES:
             raise ValueError(
                 f"`nonfinite` must be one of {NONFINITE_POLICIES}. Received: nonfinite={nonfinite!r}"
@@ -417,10 +418,13 @@ class OptimizedModel(ExactResumeMixin, keras.Model):
 
     def _with_guard_callback(self, callbacks):
         monitor = guards.NonFiniteMonitor(getattr(self, "_nonfinite", "skip"))
+        weighting = getattr(self, "_loss_weighting", None)
+        extra = [monitor, *(weighting.callbacks() if weighting is not None else [])]
         if isinstance(callbacks, keras.callbacks.CallbackList):
-            callbacks.append(monitor)
+            for callback in extra:
+                callbacks.append(callback)
             return callbacks
-        return [*(callbacks or []), monitor]
+        return [*(callbacks or []), *extra]
 
     # -------------------------------------------------------------------------- serialization
 
