@@ -419,12 +419,14 @@ class OptimizedModel(ExactResumeMixin, keras.Model):
     def _with_guard_callback(self, callbacks):
         monitor = guards.NonFiniteMonitor(getattr(self, "_nonfinite", "skip"))
         weighting = getattr(self, "_loss_weighting", None)
-        extra = [monitor, *(weighting.callbacks() if weighting is not None else [])]
+        # The weighting's callbacks run first (e.g. DWA closes its epoch window before a
+        # checkpointing callback saves the state).
+        first = weighting.callbacks() if weighting is not None else []
         if isinstance(callbacks, keras.callbacks.CallbackList):
-            for callback in extra:
-                callbacks.append(callback)
+            callbacks.callbacks[:0] = first
+            callbacks.append(monitor)
             return callbacks
-        return [*(callbacks or []), *extra]
+        return [*first, *(callbacks or []), monitor]
 
     # -------------------------------------------------------------------------- serialization
 
