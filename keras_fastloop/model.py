@@ -151,7 +151,9 @@ class OptimizedModel(ExactResumeMixin, keras.Model):
             ValueError: ``steps_per_execution`` neither ``"auto"`` nor a positive int;
                 clipping set both here and on the optimizer; a non-positive
                 ``micro_batch_size``; an unknown ``nonfinite`` policy or weighting id; loss or
-                loss weights that do not match the outputs; weighting with a single task.
+                loss weights that do not match the outputs; ``loss_weights`` (other than all
+                ones) with a ``loss_weighting`` that sets its own weights; weighting with a
+                single task.
             TypeError: an argument of the wrong kind.
         """
         clipper = clipping_module.get(gradient_clipping)

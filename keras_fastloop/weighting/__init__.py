@@ -89,9 +89,9 @@ def check_loss_weights(weighting, loss_weights):
     Only ``static`` (the default, ``loss_weighting=None``) and methods that set
     ``accepts_loss_weights = True`` use ``loss_weights``; every adaptive method decides its own
     weights, and silently dropping the user's would train something else than asked. Weights
-    that are all exactly 1 are accepted everywhere (they change nothing). Called by
-    ``compile()`` before the losses are resolved, so malformed ``loss_weights`` (wrong keys or
-    length) given with an adaptive method fail here too.
+    that are all exactly 1 are accepted everywhere (they change nothing; their keys and length
+    are checked later by ``compile``). Called by ``compile()`` right after :func:`get`, before
+    the losses are resolved.
 
     Args:
         weighting: the :class:`LossWeighting` from :func:`get`.
