@@ -354,6 +354,12 @@ def test_xla_solvers_match_the_plain_ones():
         rtol=1e-4,
         atol=1e-5,
     )
+    for xla, plain in (
+        (gb._nash_mtl_weights_xla(gram, 20), gb.nash_mtl_weights(gram, 20)),
+        (gb._upgrad_weights_xla(gram, 1e-4, 1e-4), gb.upgrad_weights(gram)),
+        (gb._min_norm_weights_xla(gram), gb.min_norm_weights(gram)),
+    ):
+        np.testing.assert_allclose(xla.numpy(), plain.numpy(), rtol=1e-4, atol=1e-6)
 
 
 # ------------------------------------------------------------------ IMTL (hybrid), IMTL-G
