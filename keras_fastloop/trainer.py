@@ -146,13 +146,15 @@ class OptimizedTrainer(ExactResumeMixin):
                 clipping set both here and on the optimizer, or combined with the optimizer's
                 ``gradient_accumulation_steps``; a non-positive ``micro_batch_size``; an unknown
                 ``nonfinite`` policy, weighting id or ``log_metrics`` name; loss or loss weights
-                that do not match the outputs; weighting with a single task; a weighting method
+                that do not match the outputs; ``loss_weights`` (other than all ones) with a
+                ``loss_weighting`` that sets its own weights; weighting with a single task; a weighting method
                 or ``micro_batch_size`` without a compiled ``loss`` or with an overridden
                 ``compute_loss``.
             TypeError: an argument of the wrong kind.
         """
         clipper = clipping_module.get(gradient_clipping)
         weighting = weighting_module.get(loss_weighting)
+        weighting_module.check_loss_weights(weighting, loss_weights)
         if nonfinite not in NONFINITE_POLICIES:
             raise ValueError(
                 f"`nonfinite` must be one of {NONFINITE_POLICIES}. Received: nonfinite={nonfinite!r}"
@@ -573,10 +575,15 @@ class OptimizedTrainer(ExactResumeMixin):
 
     def _with_guard_callback(self, callbacks):
         monitor = guards.NonFiniteMonitor(getattr(self, "_nonfinite", "skip"))
+        weighting = getattr(self, "_loss_weighting", None)
+        # The weighting's callbacks run first (e.g. DWA closes its epoch window before a
+        # checkpointing callback saves the state).
+        first = weighting.callbacks() if weighting is not None else []
         if isinstance(callbacks, keras.callbacks.CallbackList):
+            callbacks.callbacks[:0] = first
             callbacks.append(monitor)
             return callbacks
-        return [*(callbacks or []), monitor]
+        return [*first, *(callbacks or []), monitor]
 
     # -------------------------------------------------------------------------- serialization
 
