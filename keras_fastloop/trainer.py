@@ -49,6 +49,13 @@ def _check_optimizer_clipping(optimizer, gradient_clipping):
             f"Received: gradient_clipping={gradient_clipping!r}"
         )
     accumulation = getattr(inner, "gradient_accumulation_steps", None)
+    if accumulation and tf.distribute.has_strategy():
+        raise ValueError(
+            "The optimizer's `gradient_accumulation_steps` does not work under tf.distribute "
+            "(Keras 3.15 synchronises inside a conditional, which raises in `fit`, with "
+            "keras.Model too). Use `compile(micro_batch_size=...)` to accumulate inside the "
+            f"step. Received: gradient_accumulation_steps={accumulation}"
+        )
     if gradient_clipping is not None and accumulation:
         raise ValueError(
             "`gradient_clipping` cannot be combined with the optimizer's "

@@ -69,17 +69,18 @@ def run(features):
         optimizer = keras.optimizers.SGD(
             0.05, momentum=0.5, gradient_accumulation_steps=2 if accumulate else None
         )
+        if "mixed_float16" in features:  # a scale that does not overflow on this problem
+            optimizer = keras.optimizers.LossScaleOptimizer(optimizer, initial_scale=2.0**8)
         model.compile(optimizer, {"a": "mse", "b": "mse"}, **kwargs)
     x, y = _data()
     batch = BATCH // 2 if accumulate else BATCH
     history = model.fit(x, y, batch_size=batch, epochs=EPOCHS, shuffle=False, verbose=0)
     keras.config.set_dtype_policy("float32")
-    return model.get_weights(), history.history, int(model.optimizer.iterations.numpy())
+    applied = int(model.optimizer.iterations.numpy())
+    return model.get_weights(), history.history, (applied, int(model.skipped_steps.numpy()))
 
 
-def _expected_iterations(features):
-    steps = EPOCHS * SAMPLES // BATCH
-    return 2 * steps if "accumulation" in features else steps
+STEPS = EPOCHS * SAMPLES // BATCH
 
 
 def _pairs():
@@ -91,7 +92,11 @@ def _pairs():
 
 def _refused(pair):
     pair = set(pair)
-    return pair in ({"accumulation", "clipping"}, {"micro", "pcgrad"})
+    return pair in (
+        {"accumulation", "clipping"},
+        {"accumulation", "replicas"},  # fails in keras.Model.fit too: refused at compile
+        {"micro", "pcgrad"},
+    )
 
 
 # PCGrad projects each batch's task gradients: accumulating two projected half-batches is not
@@ -102,10 +107,23 @@ BY_NATURE = [("accumulation", "pcgrad")]
 SLOW = {"replicas", "mixed_float16"}
 
 
+# Keras 3.15 fails on steps_per_execution > 1 under MirroredStrategy ("You must feed a value for
+# placeholder tensor ... while/cond/Placeholder"), with keras.Model too.
+KERAS_LIMITED = [("spe4", "replicas")]
+
+
 @pytest.mark.parametrize(
     "pair",
     [
-        pytest.param(p, marks=pytest.mark.slow, id="+".join(p))
+        pytest.param(
+            p,
+            id="+".join(p),
+            marks=pytest.mark.xfail(
+                strict=True, reason="keras.Model.fit fails too (Keras 3.15, spe > 1 mirrored)"
+            ),
+        )
+        if p in KERAS_LIMITED
+        else pytest.param(p, marks=pytest.mark.slow, id="+".join(p))
         if set(p) >= SLOW or ("replicas" in p and "pcgrad" in p)
         else pytest.param(p, id="+".join(p))
         for p in _pairs()
@@ -114,9 +132,9 @@ SLOW = {"replicas", "mixed_float16"}
 )
 def test_pair_matches_its_reference(pair):
     reference_features = [f for f in pair if f in CHANGING]
-    w_ref, h_ref, _ = run(reference_features)
-    w, h, iterations = run(pair)
-    assert iterations == _expected_iterations(pair)
+    w_ref, h_ref, steps_ref = run(reference_features)
+    w, h, steps = run(pair)
+    assert steps == steps_ref and sum(steps) == STEPS  # (applied, skipped) updates
     tolerance = 2e-3 if "mixed_float16" in pair else 1e-5
     for got, expected in zip(w, w_ref):
         np.testing.assert_allclose(got, expected, rtol=tolerance, atol=tolerance)
@@ -126,8 +144,8 @@ def test_pair_matches_its_reference(pair):
 
 @pytest.mark.parametrize("pair", [*itertools.combinations(CHANGING, 2), *BY_NATURE], ids="+".join)
 def test_changing_pairs_train(pair):
-    weights, history, iterations = run(pair)
-    assert iterations == _expected_iterations(pair)
+    weights, history, (applied, skipped) = run(pair)
+    assert (applied, skipped) == (STEPS, 0)
     assert all(np.all(np.isfinite(w)) for w in weights)
     assert history["loss"][-1] < history["loss"][0]
 
@@ -142,6 +160,12 @@ def test_refused_pairs_say_why_at_compile():
         )
     with pytest.raises(ValueError, match="micro_batch_size"):
         model.compile("sgd", {"a": "mse", "b": "mse"}, loss_weighting="pcgrad", micro_batch_size=4)
+    with two_replica_strategy().scope():
+        model = _build()
+        with pytest.raises(ValueError, match="tf.distribute.*micro_batch_size"):
+            model.compile(
+                keras.optimizers.SGD(0.1, gradient_accumulation_steps=2), {"a": "mse", "b": "mse"}
+            )
 
 
 def test_accumulation_with_clipping_reference_is_keras_clipped_mean():
@@ -152,8 +176,9 @@ def test_accumulation_with_clipping_reference_is_keras_clipped_mean():
     optimizer = keras.optimizers.SGD(1.0, global_clipnorm=1.0, gradient_accumulation_steps=2)
     model.compile(optimizer, lambda y_true, y_pred: -keras.ops.mean(y_pred * y_true))
     x = np.array([[1.0, 0.0], [0.0, 1.0]], "float32")
-    model.fit(x, np.ones((2, 1), "float32"), batch_size=1, shuffle=False, verbose=0)
-    # mean of [-1, 0] and [0, -1] is [-0.5, -0.5]; clipped to norm 1 -> update [0.7071, 0.7071]
+    model.fit(x, np.full((2, 1), 2.0, "float32"), batch_size=1, shuffle=False, verbose=0)
+    # gradients [-2, 0] and [0, -2]: their mean [-1, -1] clipped to norm 1 -> [0.7071, 0.7071]
+    # (a mean of clipped gradients would give [0.5, 0.5])
     np.testing.assert_allclose(layer.kernel.numpy()[:, 0], [0.70710677, 0.70710677], rtol=1e-6)
     # keras_fastloop refuses to do it differently (a mean of clipped gradients)
     ours = kf.OptimizedModel(i, keras.layers.Dense(1, use_bias=False)(i))
