@@ -39,7 +39,15 @@ def run_worker(tmp_path, name, case, backup_dir, kill_after=None, exact=True, **
         "epochs": EPOCHS,
         **extra,
     }
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "CUDA_VISIBLE_DEVICES": ""}
+    # The worker imports this checkout's keras_fastloop (not another editable install).
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    env = {
+        **os.environ,
+        "TF_CPP_MIN_LOG_LEVEL": "3",
+        "CUDA_VISIBLE_DEVICES": "",
+        "PYTHONPATH": path,
+    }
     process = subprocess.run(
         [sys.executable, WORKER, json.dumps(config)],
         env=env,
