@@ -243,16 +243,6 @@ def _accumulation(model):
     return int(value) if isinstance(value, numbers.Integral) and value > 1 else 1
 
 
-def _has_step_events(callbacks):
-    return any(
-        callable(getattr(c, "steps_until_next_event", None))
-        or any(
-            events._positive_int(getattr(c, name, None)) for name in events._STEP_PERIOD_ATTRIBUTES
-        )
-        for c in callbacks
-    )
-
-
 def _grouped(run, slots):
     """Joins Keras' one-batch slots into executions of ``k`` steps (``"auto"``).
 
@@ -261,7 +251,7 @@ def _grouped(run, slots):
     """
     state, model, iterator = run.auto, run.model, run.iterator
     accumulation = _accumulation(model)
-    read_step = _has_step_events(run.callbacks)
+    read_step = events.reads_optimizer_step(run.callbacks)
     known_length = iterator.data_adapter.num_batches is not None
     num_batches = iterator.num_batches
     pending = None  # (steps, start time, cut short by an event)

@@ -152,7 +152,10 @@ def test_optimized_model_is_not_based_on_a_callbacks_module():
 # ------------------------------------------------------------------- 1. auto + mid-epoch resume
 
 
-@pytest.mark.parametrize("spe", SPE)
+@pytest.mark.parametrize(
+    "spe",
+    [pytest.param(1, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow), "auto"],
+)
 def test_mid_epoch_resume_under_every_steps_per_execution(tmp_path, spe):
     """2,048 samples, batch 4, 3 epochs, BackupAndRestore(save_freq=50), crash at epoch 1 batch
     201: the resumed run ends with 1,536 optimizer steps and the uninterrupted run's weights."""

@@ -25,7 +25,12 @@ from __future__ import annotations
 
 import numbers
 
-__all__ = ["batches_until_next_event", "event_periods", "steps_until_next_event"]
+__all__ = [
+    "batches_until_next_event",
+    "event_periods",
+    "reads_optimizer_step",
+    "steps_until_next_event",
+]
 
 _STEP_PERIOD_ATTRIBUTES = ("every_n_steps", "log_every_n_steps")
 
@@ -127,3 +132,19 @@ def event_periods(callbacks, accumulation=1):
         if _positive_int(getattr(callback, "save_freq", None)):
             periods.append(int(callback.save_freq))
     return periods
+
+
+def reads_optimizer_step(callbacks):
+    """Whether any callback declares step-counted events (then ``optimizer.iterations`` is read).
+
+    Args:
+        callbacks: iterable of ``keras.callbacks.Callback``.
+
+    Returns:
+        bool.
+    """
+    return any(
+        callable(getattr(callback, "steps_until_next_event", None))
+        or any(_positive_int(getattr(callback, name, None)) for name in _STEP_PERIOD_ATTRIBUTES)
+        for callback in callbacks
+    )
