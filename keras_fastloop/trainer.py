@@ -23,11 +23,11 @@ from keras import ops
 
 from keras_fastloop import _keras_internals as internals
 from keras_fastloop import clipping as clipping_module
-from keras_fastloop import distributed, guards, losses, scaling, tuning
+from keras_fastloop import distributed, fit_loop, guards, losses, scaling, tuning
 from keras_fastloop import micro_batching as micro_batching_module
+from keras_fastloop import resume as _resume  # noqa: F401 - registers exact resume with fit_loop
 from keras_fastloop import weighting as weighting_module
 from keras_fastloop._step import LOG_METRICS, StepMetrics, StepResult
-from keras_fastloop.callbacks.resume import ExactResumeMixin
 from keras_fastloop.state import StepState
 
 NONFINITE_POLICIES = ("skip", "raise", "terminate")
@@ -90,7 +90,7 @@ def _log_metrics(log_metrics, clipper, optimizer, nonfinite):
     return tuple(log_metrics)
 
 
-class OptimizedTrainer(ExactResumeMixin):
+class OptimizedTrainer:
     """Mixin that gives a ``keras.Model`` class the step of an expert's hand-written loop.
 
     Put it before the Keras class in the bases (``class M(OptimizedTrainer, keras.Model)``).
@@ -556,41 +556,24 @@ class OptimizedTrainer(ExactResumeMixin):
         return distributed.make_function(self, super()._make_function, step_function)
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
-        tuning.capture_epoch_iterator(self, iterator)  # steps_per_execution="auto"
-        # The first build works under MultiWorkerMirroredStrategy (keras#20585).
-        return distributed.maybe_symbolic_build(
-            self, super()._maybe_symbolic_build, iterator=iterator, data_batch=data_batch
+        # fit's epoch iterator is captured here (fit_loop); multi-worker builds (keras#20585).
+        return fit_loop.maybe_symbolic_build(
+            self, super()._maybe_symbolic_build, iterator, data_batch
         )
 
     # ---------------------------------------------------------------------------- training
 
     def fit(self, *args, **kwargs):
-        """``keras.Model.fit``, plus the internal callback of the non-finite policy.
+        """``keras.Model.fit`` run by :mod:`keras_fastloop.fit_loop` (arguments and return as Keras').
 
-        It stops training for ``nonfinite="terminate"`` and warns once when many steps were
-        skipped (see :mod:`keras_fastloop.guards`). Arguments and return value as Keras'.
+        It adds the internal callbacks (the weighting's, the non-finite policy's, exact
+        mid-epoch resume) and, under ``steps_per_execution="auto"``, groups steps into
+        executions up to the next step event.
         """
-        if len(args) > 5:  # callbacks given positionally (6th argument of keras.Model.fit)
-            args = (*args[:5], self._with_guard_callback(args[5]), *args[6:])
-        else:
-            kwargs["callbacks"] = self._with_guard_callback(kwargs.get("callbacks"))
-        return tuning.fit(self, super().fit, *args, **kwargs)
+        return fit_loop.fit(self, super().fit, args, kwargs)
 
     def make_train_function(self, force=False):
-        # steps_per_execution="auto": one trace serves every step count (see tuning.py).
-        return tuning.make_train_function(self, super().make_train_function, force)
-
-    def _with_guard_callback(self, callbacks):
-        monitor = guards.NonFiniteMonitor(getattr(self, "_nonfinite", "skip"))
-        weighting = getattr(self, "_loss_weighting", None)
-        # The weighting's callbacks run first (e.g. DWA closes its epoch window before a
-        # checkpointing callback saves the state).
-        first = weighting.callbacks() if weighting is not None else []
-        if isinstance(callbacks, keras.callbacks.CallbackList):
-            callbacks.callbacks[:0] = first
-            callbacks.append(monitor)
-            return callbacks
-        return [*first, *(callbacks or []), monitor]
+        return fit_loop.make_train_function(self, super().make_train_function, force)
 
     # -------------------------------------------------------------------------- serialization
 

@@ -18,9 +18,9 @@ import itertools
 import keras
 import numpy as np
 import pytest
+from conftest import two_replica_strategy
 
 import keras_fastloop as kf
-from conftest import two_replica_strategy
 
 SAMPLES, BATCH, EPOCHS = 64, 16, 2
 NEUTRAL = ("spe4", "micro", "replicas", "accumulation")
