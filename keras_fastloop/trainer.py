@@ -25,6 +25,7 @@ from keras_fastloop import _keras_internals as internals
 from keras_fastloop import clipping as clipping_module
 from keras_fastloop import distributed, fit_loop, guards, losses, scaling, tuning
 from keras_fastloop import micro_batching as micro_batching_module
+from keras_fastloop import mixed_precision
 from keras_fastloop import resume as _resume  # noqa: F401 - registers exact resume with fit_loop
 from keras_fastloop import weighting as weighting_module
 from keras_fastloop._step import LOG_METRICS, StepMetrics, StepResult
@@ -241,6 +242,9 @@ class OptimizedTrainer:
             StepMetrics(_log_metrics(log_metrics, clipper, self.optimizer, nonfinite)),
         )
         object.__setattr__(self, "_fastloop_evaluating", 0)
+        if loss is not None and self.dtype_policy.name in ("mixed_float16", "mixed_bfloat16"):
+            # Keras' mixed-precision guide: outputs that feed a loss should be float32.
+            mixed_precision.check_output_dtypes(self, self.dtype_policy.name)
         layout = losses.task_layout(loss, loss_weights, self)
         if layout is not None:
             self._build_weighting(layout)

@@ -80,6 +80,24 @@ class RecommendedSetup:
         """The dataset through :func:`optimize_pipeline`."""
         return optimize_pipeline(dataset, cache=cache)
 
+    def summary(self):
+        """One line: what was chosen, why, and how to undo it."""
+        choice = self.policy_choice
+        if choice.confirmed and choice.speedup is not None:
+            why = (
+                f"timed on your model: {choice.recommended} {choice.speedup:.2f}x float32's "
+                "speed"
+            )
+            if self.policy != choice.recommended:
+                why += " (too little gain: kept float32)"
+        else:
+            why = f"hardware rule: {choice.recommended}"
+        return (
+            f"keras_fastloop.recommended_setup: dtype policy {self.policy!r} ({why}); "
+            f"compile(**setup.compile_kwargs) adds steps_per_execution="
+            f"{self.steps_per_execution!r}. Undo: keras.config.set_dtype_policy('float32')."
+        )
+
 
 def recommended_setup(
     model_fn: Callable[[], keras.Model] | None = None,
@@ -89,6 +107,7 @@ def recommended_setup(
     steps: int = 5,
     hardware=None,
     timer: Callable[[], float] = time.perf_counter,
+    verbose: bool = True,
 ) -> RecommendedSetup:
     """Turns on the recommended fast setup for the next models: one line, before building them.
 
@@ -117,13 +136,15 @@ def recommended_setup(
         hardware: ``mixed_precision.HardwareInfo`` or ``None`` (this machine). Defaults to
             ``None``.
         timer: callable returning seconds. Defaults to ``time.perf_counter``.
+        verbose: bool, print :meth:`RecommendedSetup.summary` (what was chosen, why, how to
+            undo it). Defaults to ``True``.
 
     Returns:
         A :class:`RecommendedSetup`.
 
     Raises:
         ValueError: ``model_fn`` given without ``data`` (or the reverse), or as
-            ``mixed_precision.set_recommended_policy``.
+            ``mixed_precision.set_recommended_policy``; a non-bool ``verbose``.
 
     Example:
         >>> setup = recommended_setup()          # before building the model
@@ -133,6 +154,8 @@ def recommended_setup(
     """
     from keras_fastloop import mixed_precision
 
+    if not isinstance(verbose, bool):
+        raise ValueError(f"`verbose` must be a bool. Received: verbose={verbose!r}")
     if (model_fn is None) != (data is None):
         raise ValueError(
             "`model_fn` and `data` go together (the policy is timed on the model with one "
@@ -147,4 +170,7 @@ def recommended_setup(
         hardware=hardware,
         timer=timer,
     )
-    return RecommendedSetup(policy=choice.policy, policy_choice=choice)
+    setup = RecommendedSetup(policy=choice.policy, policy_choice=choice)
+    if verbose:
+        print(setup.summary())
+    return setup
