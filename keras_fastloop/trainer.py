@@ -195,7 +195,7 @@ class OptimizedTrainer:
         losses.check_loss_weights(loss_weights)
         losses.check_keys("loss", loss, self)
         losses.check_keys("loss_weights", loss_weights, self)
-        losses.check_loss_weights_count(loss, loss_weights, self)
+        losses.check_counts(loss, loss_weights, self)
         optimizer = keras.optimizers.get(optimizer)
         _check_optimizer_clipping(optimizer, clipper)
 

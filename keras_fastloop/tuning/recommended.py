@@ -84,10 +84,7 @@ class RecommendedSetup:
         """One line: what was chosen, why, and how to undo it."""
         choice = self.policy_choice
         if choice.confirmed and choice.speedup is not None:
-            why = (
-                f"timed on your model: {choice.recommended} {choice.speedup:.2f}x float32's "
-                "speed"
-            )
+            why = f"timed on your model: {choice.recommended} {choice.speedup:.2f}x float32's speed"
             if self.policy != choice.recommended:
                 why += " (too little gain: kept float32)"
         else:
