@@ -23,9 +23,8 @@ from keras import ops
 
 from keras_fastloop import _keras_internals as internals
 from keras_fastloop import clipping as clipping_module
-from keras_fastloop import distributed, fit_loop, guards, losses, scaling, tuning
+from keras_fastloop import distributed, fit_loop, guards, losses, mixed_precision, scaling, tuning
 from keras_fastloop import micro_batching as micro_batching_module
-from keras_fastloop import mixed_precision
 from keras_fastloop import resume as _resume  # noqa: F401 - registers exact resume with fit_loop
 from keras_fastloop import weighting as weighting_module
 from keras_fastloop._step import LOG_METRICS, StepMetrics, StepResult
