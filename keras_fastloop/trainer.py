@@ -225,6 +225,7 @@ class OptimizedTrainer(ExactResumeMixin):
         object.__setattr__(self, "_fastloop_state", state)  # untracked: not in model.weights
         if clipper is not None:
             clipper.build(state)
+        guards.build(state, nonfinite)
         self._loss_weighting = weighting
         object.__setattr__(
             self,
@@ -566,6 +567,12 @@ class OptimizedTrainer(ExactResumeMixin):
         else:
             kwargs["callbacks"] = self._with_guard_callback(kwargs.get("callbacks"))
         return tuning.fit(self, super().fit, *args, **kwargs)
+
+    def train_on_batch(self, *args, **kwargs):
+        """``keras.Model.train_on_batch``; raises ``guards.NonFiniteError`` under ``"raise"``."""
+        logs = super().train_on_batch(*args, **kwargs)
+        guards.raise_if_recorded(self)
+        return logs
 
     def make_train_function(self, force=False):
         # steps_per_execution="auto": one trace serves every step count (see tuning.py).
