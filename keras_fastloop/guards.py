@@ -191,6 +191,7 @@ def raise_if_recorded(model):
     raise NonFiniteError(
         f"Non-finite loss or gradient at optimizer step {step} (compile(nonfinite='raise')): "
         f"{culprit}. The update of that step was not applied: the weights and optimizer state "
-        f"are those after step {step}. Check the inputs, labels and sample weights of that "
-        "batch, the learning rate and the loss; compile(nonfinite='skip') skips such batches."
+        f"are those of the last good step ({step} updates applied). Check the inputs, labels "
+        "and sample weights of that batch, the learning rate and the loss; "
+        "compile(nonfinite='skip') skips such batches."
     )

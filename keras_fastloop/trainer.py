@@ -132,8 +132,11 @@ class OptimizedTrainer(ExactResumeMixin):
                 update, identical to the full batch.
             nonfinite: what to do with a non-finite gradient: ``"skip"`` (default; skip the
                 whole update on every replica and count it in ``skipped_steps``), ``"raise"``
-                (stop with an error naming the step) or ``"terminate"`` (skip the update and stop
-                training cleanly, like ``TerminateOnNaN``).
+                (skip the update, then ``fit``/``train_on_batch`` raise
+                ``keras_fastloop.guards.NonFiniteError`` naming the step and the first variable)
+                or ``"terminate"`` (skip the update and stop training cleanly, like
+                ``TerminateOnNaN``). Under loss scaling a non-finite loss skips the step without
+                halving the scale (see :mod:`keras_fastloop.guards`).
             log_metrics: ``None`` (default) or a list from ``("grad_norm", "skipped_steps",
                 "loss_scale")``: extra training metrics to log. By default each is logged when
                 the feature that produces it is on (``grad_norm`` with ``gradient_clipping``;

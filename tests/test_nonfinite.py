@@ -410,3 +410,34 @@ def test_overflow_burst_of_a_finite_loss_halves_the_scale_and_it_regrows():
     assert int(model.skipped_steps.numpy()) == 3
     assert int(model.optimizer.iterations.numpy()) == 6
     assert_finite(model)
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_two_replicas_skip_a_batch_bad_on_one_replica_only(mixed):
+    """Same decision on every replica: the global step is skipped, metrics and scale untouched."""
+    from conftest import two_replica_strategy
+
+    strategy = two_replica_strategy()
+    runs = []
+    for data in (metrics_data(6, 2, "labels"), without_batch(metrics_data(6), 2)):
+        x, y, sw = data
+        with strategy.scope():
+            model = metrics_model(mixed)
+            model.compile(
+                keras.optimizers.SGD(0.1), "mse", metrics=["mae"], log_metrics=["skipped_steps"]
+            )
+        # Global batch 4: the NaN label (row 1 of the batch) is in the first replica's half.
+        history = model.fit(x, y, batch_size=METRIC_BATCH, epochs=1, shuffle=False, verbose=0)
+        runs.append((model, history))
+    (faulty, faulty_history), (clean, clean_history) = runs
+    assert int(faulty.skipped_steps.numpy()) == 1
+    for key in ("loss", "mae"):
+        np.testing.assert_allclose(
+            faulty_history.history[key], clean_history.history[key], rtol=1e-6, err_msg=key
+        )
+    for got, expected in zip(faulty.get_weights(), clean.get_weights()):
+        np.testing.assert_array_equal(got, expected)
+    if mixed:
+        assert float(faulty.optimizer.dynamic_scale.numpy()) == float(
+            clean.optimizer.dynamic_scale.numpy()
+        )
