@@ -7,7 +7,9 @@ obeys the threshold (Keras' own ``clipnorm``/``global_clipnorm`` act per replica
 
 Every clipper is a callable ``clipper(grads, variables, global_norm) -> grads`` where ``grads`` and
 ``variables`` are equally long lists and ``global_norm`` is the float32 scalar global norm of
-``grads`` (computed once by the step).
+``grads`` (computed once by the step). An ``Embedding``'s gradient arrives as a ``tf.IndexedSlices``
+whose rows are unique (the step passes it through :func:`deduplicate` first), so norms and
+element-wise clipping are those of the dense gradient; the clippers keep it sparse.
 """
 
 from __future__ import annotations
@@ -163,10 +165,19 @@ class ClipByValue(GradientClipping):
         self.clipvalue = _positive("clipvalue", clipvalue)
 
     def __call__(self, grads, variables, global_norm):
-        return [ops.clip(g, -self.clipvalue, self.clipvalue) for g in grads]
+        return [
+            _map_values(g, lambda t: ops.clip(t, -self.clipvalue, self.clipvalue)) for g in grads
+        ]
 
     def get_config(self):
         return {"clipvalue": self.clipvalue}
+
+
+def _map_values(gradient, fn):
+    """``fn`` on a dense gradient, or on the rows of an ``IndexedSlices`` (kept sparse)."""
+    if isinstance(gradient, tf.IndexedSlices):
+        return tf.IndexedSlices(fn(gradient.values), gradient.indices, gradient.dense_shape)
+    return fn(gradient)
 
 
 def unitwise_norm(x):
@@ -213,10 +224,13 @@ class AdaptiveGradientClipping(GradientClipping):
         for g, v in zip(grads, variables):
             w = ops.cast(v, g.dtype)
             max_norm = self.clip_factor * ops.maximum(unitwise_norm(w), self.eps)
-            g_norm = unitwise_norm(g)
+            # An IndexedSlices' values have the variable's rank and its unique rows: the norm
+            # over the rows present is the dense gradient's (absent rows are zero).
+            values = g.values if isinstance(g, tf.IndexedSlices) else g
+            g_norm = unitwise_norm(values)
             # Divide by a safe norm; where the gradient is under the threshold keep it as is.
-            scaled = g * (max_norm / ops.maximum(g_norm, 1e-6))
-            clipped.append(ops.where(g_norm > max_norm, scaled, g))
+            factor = ops.where(g_norm > max_norm, max_norm / ops.maximum(g_norm, 1e-6), 1.0)
+            clipped.append(_map_values(g, lambda t, f=factor: t * f))
         return clipped
 
     def get_config(self):

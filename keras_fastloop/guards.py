@@ -3,8 +3,11 @@
 * ``"skip"`` (default): the whole update is skipped on every replica (weights, optimizer slots,
   ``iterations``) and counted in ``skipped_steps``; training goes on. A warning is issued once
   when more than ``SKIP_RATE_WARNING`` of an epoch's batches were skipped.
-* ``"raise"``: the step fails with ``InvalidArgumentError`` naming the optimizer step and the
-  first variable whose gradient is not finite; no update is applied.
+* ``"raise"``: the update is skipped, every later update is blocked (also inside the same
+  ``steps_per_execution`` block), the step records the optimizer step and the first variable
+  whose gradient is not finite, and ``fit`` (``train_on_batch``) raises :class:`NonFiniteError`
+  with that message at the end of the batch, from Python (not from inside the graph). The
+  weights are those of the last good step.
 * ``"terminate"``: the update is skipped, every later update is blocked (also inside the same
   ``steps_per_execution`` block), and training stops cleanly at the end of the batch, like
   ``keras.callbacks.TerminateOnNaN`` but keeping the last good weights.
@@ -12,6 +15,12 @@
 Under dynamic loss scaling (``LossScaleOptimizer``) an overflowing gradient is part of normal
 operation: Keras halves the scale and skips the step. There ``"raise"`` and ``"terminate"`` act
 only when the *unscaled loss* is non-finite (a real divergence), never on a scale overflow.
+Under ``"skip"`` a non-finite loss (bad data: NaN/inf in inputs, labels or sample weights that
+reaches the loss) skips the step without handing the gradient to the ``LossScaleOptimizer``, so
+the scale is not halved; only a finite loss whose scaled gradient overflows halves it (a finite
+loss with a non-finite gradient, e.g. an ``inf`` input saturated by ``tanh``, counts as an
+overflow). Every decision is taken on the all-reduced gradient and loss, hence the same on
+every replica.
 """
 
 from __future__ import annotations
@@ -27,12 +36,44 @@ SKIP_RATE_WARNING = 0.2
 SKIP_RATE_MIN_SKIPS = 5
 
 
-def first_nonfinite_name(grads, variables):
-    """Scalar string tensor: the path of the first variable whose gradient is not finite."""
-    flags = ops.stack([ops.logical_not(ops.all(ops.isfinite(g))) for g in grads])
-    names = tf.constant([v.path for v in variables])
-    index = tf.argmax(tf.cast(flags, "int32"))
-    return tf.gather(names, index)
+class NonFiniteError(FloatingPointError):
+    """Raised by ``fit``/``train_on_batch`` under ``compile(nonfinite="raise")``.
+
+    The message names the optimizer step and the first variable whose gradient is not finite;
+    that step's update was not applied.
+    """
+
+
+def build(state, policy):
+    """Create the variables of ``policy`` on the model's step ``state`` (in ``compile()``).
+
+    ``"raise"`` records the first fault: ``nonfinite_step`` (the optimizer step, ``-1`` for
+    none) and ``nonfinite_variable`` (index of the first variable whose gradient is not finite,
+    ``-1`` when every gradient is finite but the loss is not).
+    """
+    if policy != "raise" or hasattr(state, "nonfinite_step"):
+        return
+    for name, dtype in (("nonfinite_step", "int64"), ("nonfinite_variable", "int32")):
+        variable = state.add_weight(
+            shape=(),
+            initializer=keras.initializers.Constant(-1),
+            dtype=dtype,
+            trainable=False,
+            name=name,
+            aggregation="only_first_replica",
+        )
+        setattr(state, name, variable)
+
+
+def first_nonfinite_index(grads):
+    """Scalar int32 tensor: index of the first gradient that is not finite (``-1`` for none)."""
+    flags = ops.stack([ops.logical_not(ops.all(ops.isfinite(_values(g)))) for g in grads])
+    index = ops.cast(tf.argmax(ops.cast(flags, "int32")), "int32")
+    return ops.where(ops.any(flags), index, -1)
+
+
+def _values(gradient):
+    return gradient.values if isinstance(gradient, tf.IndexedSlices) else gradient
 
 
 def check(policy, state, finite, loss_finite, grads, variables, iterations):
@@ -52,18 +93,15 @@ def check(policy, state, finite, loss_finite, grads, variables, iterations):
     """
     trigger = ops.logical_not(finite if loss_finite is None else loss_finite)
     if policy == "raise":
-        tf.debugging.Assert(
-            ops.logical_not(trigger),
-            [
-                "Non-finite gradient (compile(nonfinite='raise')) at optimizer step",
-                iterations,
-                "first variable with a non-finite gradient:",
-                first_nonfinite_name(grads, variables),
-            ],
-            name="nonfinite_gradient",
+        # Record the first fault; NonFiniteMonitor raises from Python once the batch is done.
+        object.__setattr__(state, "nonfinite_paths", [v.path for v in variables])
+        first = ops.logical_and(trigger, ops.logical_not(state.halted))
+        step = ops.cast(iterations, "int64")
+        state.nonfinite_step.assign(ops.where(first, step, state.nonfinite_step))
+        state.nonfinite_variable.assign(
+            ops.where(first, first_nonfinite_index(grads), state.nonfinite_variable)
         )
-        return None
-    if policy == "terminate":
+    if policy in ("raise", "terminate"):
         halted = ops.logical_or(state.halted, trigger)
         state.halted.assign(halted)
         return ops.logical_not(halted)
@@ -86,6 +124,8 @@ class NonFiniteMonitor(keras.callbacks.Callback):
         self.warned = False
         if policy == "terminate":
             self.on_train_batch_end = self._stop_if_halted
+        if policy == "raise":
+            self.on_train_batch_end = lambda batch, logs=None: raise_if_recorded(self.model)
 
     def _counters(self):
         return int(self.model.skipped_steps.numpy()), int(self.model.optimizer.iterations.numpy())
@@ -93,6 +133,8 @@ class NonFiniteMonitor(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         # A halt ends one fit only (as TerminateOnNaN): the next fit trains again.
         self.model._fastloop_state.halted.assign(False)
+        if self.policy == "raise":
+            _clear_record(self.model._fastloop_state)
 
     def on_epoch_begin(self, epoch, logs=None):
         self.start = self._counters()
@@ -118,3 +160,38 @@ class NonFiniteMonitor(keras.callbacks.Callback):
                 "inputs and the loss.",
                 stacklevel=2,
             )
+
+
+def _clear_record(state):
+    state.nonfinite_step.assign(-1)
+    state.nonfinite_variable.assign(-1)
+
+
+def raise_if_recorded(model):
+    """Raise :class:`NonFiniteError` if a step of ``model`` recorded a fault (``"raise"``).
+
+    The record is cleared first, and updates are unblocked, so the model can train again.
+
+    Raises:
+        NonFiniteError: naming the optimizer step and the first variable with a non-finite
+            gradient (or saying the loss was non-finite while every gradient was finite).
+    """
+    state = model._fastloop_state
+    if getattr(model, "_nonfinite", None) != "raise" or not bool(state.halted.numpy()):
+        return
+    step = int(state.nonfinite_step.numpy())
+    index = int(state.nonfinite_variable.numpy())
+    paths = state.__dict__.get("nonfinite_paths") or []
+    state.halted.assign(False)
+    _clear_record(state)
+    if 0 <= index < len(paths):
+        culprit = f"the first variable with a non-finite gradient is '{paths[index]}'"
+    else:
+        culprit = "the loss is not finite (every gradient is finite)"
+    raise NonFiniteError(
+        f"Non-finite loss or gradient at optimizer step {step} (compile(nonfinite='raise')): "
+        f"{culprit}. The update of that step was not applied: the weights and optimizer state "
+        f"are those of the last good step ({step} updates applied). Check the inputs, labels "
+        "and sample weights of that batch, the learning rate and the loss; "
+        "compile(nonfinite='skip') skips such batches."
+    )

@@ -139,8 +139,11 @@ class OptimizedTrainer:
                 update, identical to the full batch.
             nonfinite: what to do with a non-finite gradient: ``"skip"`` (default; skip the
                 whole update on every replica and count it in ``skipped_steps``), ``"raise"``
-                (stop with an error naming the step) or ``"terminate"`` (skip the update and stop
-                training cleanly, like ``TerminateOnNaN``).
+                (skip the update, then ``fit``/``train_on_batch`` raise
+                ``keras_fastloop.guards.NonFiniteError`` naming the step and the first variable)
+                or ``"terminate"`` (skip the update and stop training cleanly, like
+                ``TerminateOnNaN``). Under loss scaling a non-finite loss skips the step without
+                halving the scale (see :mod:`keras_fastloop.guards`).
             log_metrics: ``None`` (default) or a list from ``("grad_norm", "skipped_steps",
                 "loss_scale")``: extra training metrics to log. By default each is logged when
                 the feature that produces it is on (``grad_norm`` with ``gradient_clipping``;
@@ -234,6 +237,7 @@ class OptimizedTrainer:
         object.__setattr__(self, "_fastloop_state", state)  # untracked: not in model.weights
         if clipper is not None:
             clipper.build(state)
+        guards.build(state, nonfinite)
         self._loss_weighting = weighting
         object.__setattr__(
             self,
@@ -574,6 +578,12 @@ class OptimizedTrainer:
         executions up to the next step event.
         """
         return fit_loop.fit(self, super().fit, args, kwargs)
+
+    def train_on_batch(self, *args, **kwargs):
+        """``keras.Model.train_on_batch``; raises ``guards.NonFiniteError`` under ``"raise"``."""
+        logs = super().train_on_batch(*args, **kwargs)
+        guards.raise_if_recorded(self)
+        return logs
 
     def make_train_function(self, force=False):
         return fit_loop.make_train_function(self, super().make_train_function, force)
