@@ -23,7 +23,7 @@ from keras import ops
 
 from keras_fastloop import _keras_internals as internals
 from keras_fastloop import clipping as clipping_module
-from keras_fastloop import distributed, guards, losses, scaling, tuning
+from keras_fastloop import distributed, guards, loss_shares, losses, scaling, tuning
 from keras_fastloop import micro_batching as micro_batching_module
 from keras_fastloop import weighting as weighting_module
 from keras_fastloop._step import LOG_METRICS, StepMetrics, StepResult
@@ -216,6 +216,11 @@ class OptimizedTrainer(ExactResumeMixin):
         # untracked: Keras would otherwise adopt the listed variables/layers as the model's own
         object.__setattr__(self, "_shared_variables", shared_variables)
         self._micro_batch_size = micro_batch_size
+        object.__setattr__(self, "_fastloop_warned_small_batch", False)
+        if micro_batch_size:  # untracked: the batch-size check of BatchSizeMonitor, never saved
+            object.__setattr__(
+                self, "_fastloop_largest_batch", micro_batching_module.largest_batch_variable()
+            )
         self._nonfinite = nonfinite
         self._warned_unconnected = False
         object.__setattr__(self, "_fastloop_auto_spe", auto_spe)  # untracked runtime state
@@ -327,14 +332,15 @@ class OptimizedTrainer(ExactResumeMixin):
         terms, record = [], None
         if self._compile_loss is not None:
             task_terms = self._compile_loss.evaluate(y, y_pred, sample_weight)
-            values = [t.value for t in task_terms]
+            # Under tf.distribute: the replicas' shares of the global losses (one all-reduce).
+            values, sync = loss_shares.replica_losses(task_terms)
             self._build_weighting()
             objective, weights = self._loss_weighting.combine(values)
             reported = objective
             if not self._loss_is_objective:
                 static = self._compile_loss.static_weights
                 reported = ops.sum(ops.stack(values) * ops.convert_to_tensor(static, "float32"))
-            record = _LossRecord(task_terms, values, objective, weights, reported)
+            record = _LossRecord(task_terms, values, objective, weights, reported, sync.batch_size)
             terms.append(objective)
         terms += [
             internals.scale_loss_for_distribution(ops.sum(ops.cast(r, "float32")))
@@ -386,6 +392,7 @@ class OptimizedTrainer(ExactResumeMixin):
             task_losses, objective = record.values, record.objective
         del tape
         compile_metrics = self._compile_metrics
+        batch_size = _batch_size(x) if record is None else record.batch_size
 
         def update_metrics():
             if compile_metrics is not None:
@@ -397,7 +404,7 @@ class OptimizedTrainer(ExactResumeMixin):
             task_losses=task_losses,
             weights=weights,
             objective=objective,
-            batch_size=ops.shape(next(t for t in tf.nest.flatten(x) if t is not None))[0],
+            batch_size=batch_size,
             update_metrics=update_metrics,
         )
 
@@ -443,8 +450,8 @@ class OptimizedTrainer(ExactResumeMixin):
         # (~1.8e19), which is treated as a divergence too. One check instead of one per variable.
         finite = ops.isfinite(grad_norm)
         # The global-batch losses: the non-finite-loss check (same decision on every replica)
-        # and the weighting's state. Per-replica losses are already divided by the number of
-        # replicas, so their sum is the global mean.
+        # and the weighting's state. Per-replica losses are shares of the global losses
+        # (keras_fastloop.loss_shares), so their sum is the global loss.
         lso = scaling.is_loss_scale_optimizer(self.optimizer)
         needs_global = lso or self._nonfinite != "skip" or self._loss_weighting.has_state_update
         global_losses = None
@@ -532,7 +539,7 @@ class OptimizedTrainer(ExactResumeMixin):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         y_pred = self._forward(x, training=False)
         _, logged, record = self._loss_terms(x, y, y_pred, sample_weight, training=False)
-        batch_size = ops.shape(next(t for t in tf.nest.flatten(x) if t is not None))[0]
+        batch_size = _batch_size(x) if record is None else record.batch_size
         self._loss_tracker.update_state(
             internals.unscale_loss_for_distribution(logged), sample_weight=batch_size
         )
@@ -572,11 +579,14 @@ class OptimizedTrainer(ExactResumeMixin):
         return tuning.make_train_function(self, super().make_train_function, force)
 
     def _with_guard_callback(self, callbacks):
-        monitor = guards.NonFiniteMonitor(getattr(self, "_nonfinite", "skip"))
+        monitors = [guards.NonFiniteMonitor(getattr(self, "_nonfinite", "skip"))]
+        if getattr(self, "_micro_batch_size", None):
+            monitors.append(micro_batching_module.BatchSizeMonitor())
         if isinstance(callbacks, keras.callbacks.CallbackList):
-            callbacks.append(monitor)
+            for monitor in monitors:
+                callbacks.append(monitor)
             return callbacks
-        return [*(callbacks or []), monitor]
+        return [*(callbacks or []), *monitors]
 
     # -------------------------------------------------------------------------- serialization
 
@@ -603,9 +613,17 @@ class OptimizedTrainer(ExactResumeMixin):
             self.optimizer.build(self.trainable_variables)
 
 
-class _LossRecord:
-    """What the default ``compute_loss`` computed, for the step that called it."""
+def _batch_size(x):
+    return ops.shape(next(t for t in tf.nest.flatten(x) if t is not None))[0]
 
-    def __init__(self, terms, values, objective, weights, reported):
+
+class _LossRecord:
+    """What the default ``compute_loss`` computed, for the step that called it.
+
+    ``batch_size``: the global batch's number of samples (the loss trackers' weight).
+    """
+
+    def __init__(self, terms, values, objective, weights, reported, batch_size):
         self.terms, self.values = terms, values
         self.objective, self.weights, self.reported = objective, weights, reported
+        self.batch_size = batch_size
