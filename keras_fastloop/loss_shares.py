@@ -104,14 +104,16 @@ class ReplicaSync:
             weight, so that the replicas' updates add up to the 1-replica epoch mean).
         global_losses: float32 ``(T,)``, every task's loss on the global batch (``None`` when
             no losses were given).
+        global_extra: float32 scalar, the sum over replicas of ``extra`` (``None`` if not given).
     """
 
     factors: object
     batch_size: object
     global_losses: object = None
+    global_extra: object = None
 
 
-def sync_replicas(denominators, batch_size, losses=None):
+def sync_replicas(denominators, batch_size, losses=None, extra=None):
     """One all-reduce of the step's denominators (only with more than one replica).
 
     Args:
@@ -120,6 +122,8 @@ def sync_replicas(denominators, batch_size, losses=None):
         batch_size: int32 scalar, the replica's number of samples.
         losses: optional per-task float32 scalars, the replica's Keras losses (``x 1/R`` for
             dividing reductions, as Keras scales them); their global values come back too.
+        extra: optional float32 scalar summed across replicas in the same all-reduce (the
+            regularization losses, for the step's non-finite check).
 
     Returns:
         A :class:`ReplicaSync`.
@@ -128,7 +132,7 @@ def sync_replicas(denominators, batch_size, losses=None):
     replicas = distributed.num_replicas()
     if replicas == 1:
         global_losses = None if losses is None else ops.stack(losses)
-        return ReplicaSync(tf.ones([num_tasks]), batch_size, global_losses)
+        return ReplicaSync(tf.ones([num_tasks]), batch_size, global_losses, extra)
     dividing = [d is not None for d in denominators]
     local_d = ops.stack([d if d is not None else tf.constant(0.0) for d in denominators])
     parts = [local_d, ops.reshape(ops.cast(batch_size, "float32"), [1])]
@@ -137,6 +141,8 @@ def sync_replicas(denominators, batch_size, losses=None):
         # The replica's numerator N_r = R * V_r * D_r (dividing), its loss V_r otherwise.
         numerators = ops.where(dividing, stacked * float(replicas) * local_d, stacked)
         parts.append(numerators)
+    if extra is not None:
+        parts.append(ops.reshape(ops.stop_gradient(ops.cast(extra, "float32")), [1]))
     (total,) = distributed.all_reduce_sum([ops.concatenate(parts, axis=0)])
     global_d = total[:num_tasks]
     factors = ops.where(
@@ -144,12 +150,13 @@ def sync_replicas(denominators, batch_size, losses=None):
     )
     global_losses = None
     if losses is not None:
-        global_n = total[num_tasks + 1 :]
+        global_n = total[num_tasks + 1 : 2 * num_tasks + 1]
         global_losses = ops.where(dividing, ops.divide_no_nan(global_n, global_d), global_n)
     return ReplicaSync(
         ops.stop_gradient(factors),
         ops.cast(ops.round(total[num_tasks]), "int32"),
         global_losses,
+        None if extra is None else total[-1],
     )
 
 
@@ -171,25 +178,27 @@ def _batch_size(structure):
     return tf.shape(next(t for t in tf.nest.flatten(structure) if t is not None))[0]
 
 
-def replica_losses(terms):
+def replica_losses(terms, extra=None):
     """The tasks' losses of one replica, as its shares of the global batch's losses.
 
     Args:
         terms: the replica's :class:`~keras_fastloop.losses.TaskTerm` list (from the default
             ``compute_loss``).
+        extra: optional float32 scalar to sum across replicas in the same all-reduce.
 
     Returns:
         ``(values, sync)``: per task a float32 scalar whose value is the global loss ``/ R``
         (the same on every replica, see :func:`global_share`) and whose gradient is the
         replica's share ``(R * D_r / D) * L_r``'s; and the :class:`ReplicaSync` (global batch
-        size). With one replica: the terms' own values, no collective.
+        size, global losses, ``extra`` summed). With one replica: the terms' own values and
+        ``ReplicaSync(None, batch_size)``, no collective.
     """
     values = [t.value for t in terms]
     batch_size = _batch_size(terms[0].y_pred)
     if distributed.num_replicas() == 1:
         return values, ReplicaSync(None, batch_size)
     denominators = [denominator(t, _batch_size(t.y_pred)) for t in terms]
-    sync = sync_replicas(denominators, batch_size, values)
+    sync = sync_replicas(denominators, batch_size, values, extra)
     shares = [v * sync.factors[i] for i, v in enumerate(values)]
     globals_ = tf.unstack(sync.global_losses, num=len(terms))
     return [global_share(s, g) for s, g in zip(shares, globals_)], sync

@@ -330,22 +330,31 @@ class OptimizedTrainer(ExactResumeMixin):
         """
         del x, training
         terms, record = [], None
-        if self._compile_loss is not None:
-            task_terms = self._compile_loss.evaluate(y, y_pred, sample_weight)
-            # Under tf.distribute: the replicas' shares of the global losses (one all-reduce).
-            values, sync = loss_shares.replica_losses(task_terms)
-            self._build_weighting()
-            objective, weights = self._loss_weighting.combine(values)
-            reported = objective
-            if not self._loss_is_objective:
-                static = self._compile_loss.static_weights
-                reported = ops.sum(ops.stack(values) * ops.convert_to_tensor(static, "float32"))
-            record = _LossRecord(task_terms, values, objective, weights, reported, sync.batch_size)
-            terms.append(objective)
-        terms += [
+        regularization = [
             internals.scale_loss_for_distribution(ops.sum(ops.cast(r, "float32")))
             for r in self.losses
         ]
+        if self._compile_loss is not None:
+            task_terms = self._compile_loss.evaluate(y, y_pred, sample_weight)
+            # Under tf.distribute: the replicas' shares of the global losses (one all-reduce,
+            # which also gives the global batch size and the global losses).
+            regularization_sum = ops.sum(ops.stack(regularization)) if regularization else None
+            values, sync = loss_shares.replica_losses(task_terms, regularization_sum)
+            self._build_weighting()
+            objective, weights = self._loss_weighting.combine(values)
+            reported = objective
+            per_task = weights
+            if not self._loss_is_objective:
+                per_task = ops.convert_to_tensor(self._compile_loss.static_weights, "float32")
+                reported = ops.sum(ops.stack(values) * per_task)
+            record = _LossRecord(task_terms, values, objective, weights, reported, sync.batch_size)
+            if sync.global_losses is not None:  # the step's global losses, no second collective
+                logged = ops.sum(sync.global_losses * per_task)
+                if sync.global_extra is not None:
+                    logged = logged + sync.global_extra
+                record.global_losses = [logged, *tf.unstack(sync.global_losses)]
+            terms.append(objective)
+        terms += regularization
         if not terms:
             raise ValueError("No loss to compute. Provide a `loss` argument in `compile()`.")
         object.__setattr__(self, "_loss_record", record)
@@ -381,7 +390,7 @@ class OptimizedTrainer(ExactResumeMixin):
             grads = tape.gradient(
                 scaled, variables, unconnected_gradients=tf.UnconnectedGradients.NONE
             )
-            task_losses = weights = objective = None
+            task_losses = weights = objective = global_losses = None
         else:
             grads = weighting.gradients(
                 tape, record.values, scaled, variables, self.optimizer.scale_loss
@@ -390,6 +399,7 @@ class OptimizedTrainer(ExactResumeMixin):
             if weighting.requires_task_gradients:  # weights decided from this step's gradients
                 weights = weighting.read_weights()
             task_losses, objective = record.values, record.objective
+            global_losses = record.global_losses
         del tape
         compile_metrics = self._compile_metrics
         batch_size = _batch_size(x) if record is None else record.batch_size
@@ -406,6 +416,7 @@ class OptimizedTrainer(ExactResumeMixin):
             objective=objective,
             batch_size=batch_size,
             update_metrics=update_metrics,
+            global_losses=global_losses,
         )
 
     def _connected(self, grads, variables):
@@ -455,7 +466,9 @@ class OptimizedTrainer(ExactResumeMixin):
         lso = scaling.is_loss_scale_optimizer(self.optimizer)
         needs_global = lso or self._nonfinite != "skip" or self._loss_weighting.has_state_update
         global_losses = None
-        if needs_global:
+        if needs_global and result.global_losses is not None:
+            global_losses = result.global_losses  # from the denominators' all-reduce
+        elif needs_global:
             local = [result.loss] + list(result.task_losses or [])
             global_losses = distributed.all_reduce_sum(local)
         # Under loss scaling an overflow of a finite loss is routine (Keras halves the scale); a
@@ -627,3 +640,4 @@ class _LossRecord:
         self.terms, self.values = terms, values
         self.objective, self.weights, self.reported = objective, weights, reported
         self.batch_size = batch_size
+        self.global_losses = None  # [logged loss, *task losses] of the global batch (R > 1)
