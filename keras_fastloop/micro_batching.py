@@ -8,11 +8,18 @@ smaller), runs forward and backward on one micro-batch at a time inside a ``tf.w
 gradients in loop variables. The step then does everything else once: cross-replica sum,
 unscale, finite check, clipping and a single ``optimizer.apply``.
 
+**Batch smaller than ``micro_batch_size``.** Not an error: the batch runs as one micro-batch,
+which is exact but saves no memory. A ``UserWarning`` says so once per ``compile``: while the
+step is traced when the batch size is static, else (batch dimension unknown while tracing) at
+the end of the first epoch in which no batch was larger than ``micro_batch_size``
+(:class:`BatchSizeMonitor`; a smaller *last* batch is routine and never warns).
+
 **Weighting (why the sum equals the full batch).** A Keras loss with reduction
 ``"sum_over_batch_size"`` or ``"mean_with_sample_weight"`` is a ratio ``L = N / D``: ``N`` sums
 the (sample-weighted, masked) loss elements, ``D`` counts elements (``sum_over_batch_size``
 without mask), unmasked elements (with a Keras mask on the prediction) or sums sample weights
-(``mean_with_sample_weight``). Both are sums over samples, so for micro-batch ``m``::
+(``mean_with_sample_weight``). Both are sums over samples (:mod:`keras_fastloop.loss_shares`
+holds the rule, shared with the replicas), so for micro-batch ``m``::
 
     L_full = N / D = sum_m (D_m / D) * (N_m / D_m) = sum_m share_m * L_m
 
@@ -33,6 +40,14 @@ PR#34191 fixed). The shares are exact, per task:
   (a ``"sum"``-reduced probe loss on a tensor of ones), so mask and sample-weight broadcasting
   follow Keras exactly.
 - ``reduction=None``/``"none"``: rejected (the step needs a scalar loss).
+
+**Replicas.** Under ``tf.distribute`` the shares above are of the replica's own batch; each
+replica's loss is then weighted by its share ``R * D_r / D`` of the *global* denominator
+(:func:`keras_fastloop.loss_shares.sync_replicas`, one small all-reduce before the loop), so a
+micro-batch's weight is ``R * D_m / D`` and 1 and ``R`` replicas agree for any split of the
+global batch. A weighting that is not affine in the losses (FAMO) takes ``df/dL`` at each
+replica's own losses here (the plain path uses the global ones): an approximation, like the
+micro-batches' own.
 
 Regularization losses (``model.losses``: activity regularizers, which Keras divides by the
 micro-batch's size, ``add_loss`` terms and weight regularizers) are weighted by ``n_m / n``, so

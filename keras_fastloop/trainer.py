@@ -127,9 +127,12 @@ class OptimizedTrainer(ExactResumeMixin):
                 ``LossWeighting`` object.
             shared_variables: optional list of variables that gradient-based weighting methods
                 treat as shared; default: inferred (variables reached by more than one task).
-            micro_batch_size: ``None`` (default) or a positive int: split every batch into
-                micro-batches of this many samples, accumulate their gradients and apply one
-                update, identical to the full batch.
+            micro_batch_size: ``None`` (default) or a positive int: split every (per-replica)
+                batch into micro-batches of this many samples, accumulate their gradients and
+                apply one update, identical to the full batch. A batch with fewer samples runs
+                as one micro-batch (exact, but no memory is saved): a ``UserWarning`` says so
+                once, when the step is traced if the batch size is static, else at the end of
+                the first epoch in which no batch was larger (a smaller last batch never warns).
             nonfinite: what to do with a non-finite gradient: ``"skip"`` (default; skip the
                 whole update on every replica and count it in ``skipped_steps``), ``"raise"``
                 (stop with an error naming the step) or ``"terminate"`` (skip the update and stop
