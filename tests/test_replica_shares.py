@@ -49,7 +49,8 @@ def _train(strategy, loss=None, sample_weights=True, cls=kf.OptimizedModel, **kw
         model.compile(
             keras.optimizers.SGD(0.05, momentum=0.9),
             loss or {"a": "mse", "b": "mse"},
-            loss_weights={"a": 1.0, "b": 0.5},
+            # adaptive weighting methods set their own weights (and refuse loss_weights)
+            loss_weights=None if kwargs.get("loss_weighting") else {"a": 1.0, "b": 0.5},
             **kwargs,
         )
     history = model.fit(dataset, validation_data=dataset, epochs=2, verbose=0)
@@ -75,6 +76,7 @@ CASES = {
     },
     "famo": {"loss_weighting": "famo"},
     "uw": {"loss_weighting": "uw"},
+    "mgda": {"loss_weighting": "mgda"},
 }
 
 
