@@ -125,23 +125,38 @@ def check_keys(argument, value, model):
         )
 
 
-def check_loss_weights_count(loss, loss_weights, model):
-    """A list ``loss_weights`` of a functional model needs one weight per loss.
+def check_counts(loss, loss_weights, model):
+    """A functional model's flat ``loss`` / ``loss_weights`` lists need one entry per output.
 
     Raises:
-        ValueError: when the counts differ (Keras would find out only in the first step).
+        ValueError: for a list ``loss`` or ``loss_weights`` of the wrong length, or one float
+            ``loss_weights`` for several outputs (Keras would find out only in the first step).
     """
-    if not isinstance(loss_weights, (list, tuple)) or not hasattr(model, "_outputs_struct"):
+    outputs = getattr(model, "_outputs_struct", None)
+    if outputs is None:
         return
-    if isinstance(loss, (list, tuple, dict)):
-        expected = len([spec for spec in tree.flatten(loss) if spec is not None])
-    else:
-        expected = len(tree.flatten(model._outputs_struct))
-    if len(tree.flatten(loss_weights)) != expected:
+    names = list(getattr(model, "output_names", None) or [])
+    count = len(tree.flatten(outputs))
+    flat_list = isinstance(loss, (list, tuple)) and not any(tree.is_nested(s) for s in loss)
+    if flat_list and len(loss) != count:
         raise ValueError(
-            f"`loss_weights` must have one weight per loss ({expected}). "
+            f"`loss` must have one entry per output ({count}: {names}). Received: loss={loss}"
+        )
+    if isinstance(loss_weights, (int, float)) and not isinstance(loss_weights, bool) and count > 1:
+        raise ValueError(
+            "A single float `loss_weights` is only valid for a single-output model. "
             f"Received: loss_weights={loss_weights}"
         )
+    if isinstance(loss_weights, (list, tuple)) and not any(tree.is_nested(w) for w in loss_weights):
+        expected = {count}
+        if tree.is_nested(loss):  # one weight per entry, or per entry that has a loss
+            flat = tree.flatten(loss)
+            expected = {len(flat), len([spec for spec in flat if spec is not None])}
+        if len(loss_weights) not in expected:
+            raise ValueError(
+                f"`loss_weights` must have one entry per output ({count}: {names}). "
+                f"Received: loss_weights={loss_weights}"
+            )
 
 
 def task_layout(loss, loss_weights, model):

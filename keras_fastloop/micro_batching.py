@@ -87,7 +87,7 @@ import tensorflow as tf
 from keras import ops
 
 from keras_fastloop import _keras_internals as internals
-from keras_fastloop import loss_shares
+from keras_fastloop import fit_loop, loss_shares
 from keras_fastloop._step import StepResult
 
 
@@ -163,6 +163,20 @@ class BatchSizeMonitor(keras.callbacks.Callback):
         largest = int(variable.numpy())
         if 0 < largest < model._micro_batch_size:
             _warn_small_batch(model, largest)
+
+
+def _with_batch_size_monitor(model, callbacks):
+    """``fit`` extension: adds :class:`BatchSizeMonitor` when ``micro_batch_size`` is set."""
+    if not getattr(model, "_micro_batch_size", None):
+        return callbacks
+    monitor = BatchSizeMonitor()
+    if isinstance(callbacks, keras.callbacks.CallbackList):
+        callbacks.append(monitor)
+        return callbacks
+    return [*(callbacks or []), monitor]
+
+
+fit_loop.register("micro_batch_size", _with_batch_size_monitor)
 
 
 def _track_batch_size(model, n, k):

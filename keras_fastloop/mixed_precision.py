@@ -527,10 +527,16 @@ def check_output_dtypes(model, policy=None, outputs=None, warn: bool = True) -> 
         if dtype in ("float16", "bfloat16"):
             offending.append(out_name)
     if offending and warn:
+        risk = (
+            "float16 overflows above 65504 (large logits or a -1e9 mask constant become inf and "
+            "the loss NaN)"
+            if name == "mixed_float16"
+            else "bfloat16 keeps 8 bits of mantissa (softmax rows and small probabilities lose "
+            "~3 significant digits before the loss sees them)"
+        )
         warnings.warn(
             f"Under the {name!r} dtype policy these model outputs are not float32 and would "
-            f"reach the loss in 16-bit precision: {offending}. float16 overflows above 65504 "
-            "(large logits or a -1e9 mask constant become inf and the loss NaN). Make the last "
+            f"reach the loss in 16-bit precision: {offending}. {risk}. Make the last "
             'layer of each float32 (e.g. `Dense(..., dtype="float32")`) or append '
             "`keras_fastloop.mixed_precision.Float32Output()` / "
             '`keras.layers.Activation("linear", dtype="float32")`.',

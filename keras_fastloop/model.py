@@ -26,7 +26,16 @@ def _functional_variant(cls):
     name as ``cls`` so saved models load back as ``cls``.
     """
     if cls not in _FUNCTIONAL_VARIANTS:
-        variant = type(cls.__name__, (cls, internals.Functional), {"__module__": cls.__module__})
+        variant = type(
+            cls.__name__,
+            (cls, internals.Functional),
+            # pickle finds the variant by reference as `cls._fastloop_functional`
+            {
+                "__module__": cls.__module__,
+                "__qualname__": f"{cls.__qualname__}._fastloop_functional",
+            },
+        )
+        cls._fastloop_functional = variant
         registered = keras.saving.get_registered_name(cls)
         if ">" in registered:
             package, name = registered.split(">", 1)

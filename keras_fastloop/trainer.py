@@ -23,11 +23,20 @@ from keras import ops
 
 from keras_fastloop import _keras_internals as internals
 from keras_fastloop import clipping as clipping_module
-from keras_fastloop import distributed, guards, loss_shares, losses, scaling, tuning
+from keras_fastloop import (
+    distributed,
+    fit_loop,
+    guards,
+    loss_shares,
+    losses,
+    mixed_precision,
+    scaling,
+    tuning,
+)
 from keras_fastloop import micro_batching as micro_batching_module
+from keras_fastloop import resume as _resume  # noqa: F401 - registers exact resume with fit_loop
 from keras_fastloop import weighting as weighting_module
 from keras_fastloop._step import LOG_METRICS, StepMetrics, StepResult
-from keras_fastloop.callbacks.resume import ExactResumeMixin
 from keras_fastloop.state import StepState
 
 NONFINITE_POLICIES = ("skip", "raise", "terminate")
@@ -49,6 +58,13 @@ def _check_optimizer_clipping(optimizer, gradient_clipping):
             f"Received: gradient_clipping={gradient_clipping!r}"
         )
     accumulation = getattr(inner, "gradient_accumulation_steps", None)
+    if accumulation and tf.distribute.has_strategy():
+        raise ValueError(
+            "The optimizer's `gradient_accumulation_steps` does not work under tf.distribute "
+            "(Keras 3.15 synchronises inside a conditional, which raises in `fit`, with "
+            "keras.Model too). Use `compile(micro_batch_size=...)` to accumulate inside the "
+            f"step. Received: gradient_accumulation_steps={accumulation}"
+        )
     if gradient_clipping is not None and accumulation:
         raise ValueError(
             "`gradient_clipping` cannot be combined with the optimizer's "
@@ -83,7 +99,7 @@ def _log_metrics(log_metrics, clipper, optimizer, nonfinite):
     return tuple(log_metrics)
 
 
-class OptimizedTrainer(ExactResumeMixin):
+class OptimizedTrainer:
     """Mixin that gives a ``keras.Model`` class the step of an expert's hand-written loop.
 
     Put it before the Keras class in the bases (``class M(OptimizedTrainer, keras.Model)``).
@@ -149,13 +165,15 @@ class OptimizedTrainer(ExactResumeMixin):
                 clipping set both here and on the optimizer, or combined with the optimizer's
                 ``gradient_accumulation_steps``; a non-positive ``micro_batch_size``; an unknown
                 ``nonfinite`` policy, weighting id or ``log_metrics`` name; loss or loss weights
-                that do not match the outputs; weighting with a single task; a weighting method
+                that do not match the outputs; ``loss_weights`` (other than all ones) with a
+                ``loss_weighting`` that sets its own weights; weighting with a single task; a weighting method
                 or ``micro_batch_size`` without a compiled ``loss`` or with an overridden
                 ``compute_loss``.
             TypeError: an argument of the wrong kind.
         """
         clipper = clipping_module.get(gradient_clipping)
         weighting = weighting_module.get(loss_weighting)
+        weighting_module.check_loss_weights(weighting, loss_weights)
         if nonfinite not in NONFINITE_POLICIES:
             raise ValueError(
                 f"`nonfinite` must be one of {NONFINITE_POLICIES}. Received: nonfinite={nonfinite!r}"
@@ -188,7 +206,7 @@ class OptimizedTrainer(ExactResumeMixin):
         losses.check_loss_weights(loss_weights)
         losses.check_keys("loss", loss, self)
         losses.check_keys("loss_weights", loss_weights, self)
-        losses.check_loss_weights_count(loss, loss_weights, self)
+        losses.check_counts(loss, loss_weights, self)
         optimizer = keras.optimizers.get(optimizer)
         _check_optimizer_clipping(optimizer, clipper)
 
@@ -240,6 +258,9 @@ class OptimizedTrainer(ExactResumeMixin):
             StepMetrics(_log_metrics(log_metrics, clipper, self.optimizer, nonfinite)),
         )
         object.__setattr__(self, "_fastloop_evaluating", 0)
+        if loss is not None and self.dtype_policy.name in ("mixed_float16", "mixed_bfloat16"):
+            # Keras' mixed-precision guide: outputs that feed a loss should be float32.
+            mixed_precision.check_output_dtypes(self, self.dtype_policy.name)
         layout = losses.task_layout(loss, loss_weights, self)
         if layout is not None:
             self._build_weighting(layout)
@@ -570,39 +591,24 @@ class OptimizedTrainer(ExactResumeMixin):
         return distributed.make_function(self, super()._make_function, step_function)
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
-        tuning.capture_epoch_iterator(self, iterator)  # steps_per_execution="auto"
-        # The first build works under MultiWorkerMirroredStrategy (keras#20585).
-        return distributed.maybe_symbolic_build(
-            self, super()._maybe_symbolic_build, iterator=iterator, data_batch=data_batch
+        # fit's epoch iterator is captured here (fit_loop); multi-worker builds (keras#20585).
+        return fit_loop.maybe_symbolic_build(
+            self, super()._maybe_symbolic_build, iterator, data_batch
         )
 
     # ---------------------------------------------------------------------------- training
 
     def fit(self, *args, **kwargs):
-        """``keras.Model.fit``, plus the internal callback of the non-finite policy.
+        """``keras.Model.fit`` run by :mod:`keras_fastloop.fit_loop` (arguments and return as Keras').
 
-        It stops training for ``nonfinite="terminate"`` and warns once when many steps were
-        skipped (see :mod:`keras_fastloop.guards`). Arguments and return value as Keras'.
+        It adds the internal callbacks (the weighting's, the non-finite policy's, exact
+        mid-epoch resume) and, under ``steps_per_execution="auto"``, groups steps into
+        executions up to the next step event.
         """
-        if len(args) > 5:  # callbacks given positionally (6th argument of keras.Model.fit)
-            args = (*args[:5], self._with_guard_callback(args[5]), *args[6:])
-        else:
-            kwargs["callbacks"] = self._with_guard_callback(kwargs.get("callbacks"))
-        return tuning.fit(self, super().fit, *args, **kwargs)
+        return fit_loop.fit(self, super().fit, args, kwargs)
 
     def make_train_function(self, force=False):
-        # steps_per_execution="auto": one trace serves every step count (see tuning.py).
-        return tuning.make_train_function(self, super().make_train_function, force)
-
-    def _with_guard_callback(self, callbacks):
-        monitors = [guards.NonFiniteMonitor(getattr(self, "_nonfinite", "skip"))]
-        if getattr(self, "_micro_batch_size", None):
-            monitors.append(micro_batching_module.BatchSizeMonitor())
-        if isinstance(callbacks, keras.callbacks.CallbackList):
-            for monitor in monitors:
-                callbacks.append(monitor)
-            return callbacks
-        return [*(callbacks or []), *monitors]
+        return fit_loop.make_train_function(self, super().make_train_function, force)
 
     # -------------------------------------------------------------------------- serialization
 
@@ -618,6 +624,16 @@ class OptimizedTrainer(ExactResumeMixin):
         return {}
 
     def compile_from_config(self, config):
+        if type(self).compile is not OptimizedTrainer.compile:  # as keras.Model does
+            warnings.warn(
+                "`compile()` was not called as part of model loading because the model's "
+                "`compile()` method is custom. All subclassed Models that have `compile()` "
+                "overridden should also override `get_compile_config()` and "
+                "`compile_from_config(config)`. Alternatively, you can call `compile()` "
+                "manually after loading.",
+                stacklevel=2,
+            )
+            return
         config = dict(config)
         task_names = config.pop("task_names", None)
         task_weights = config.pop("task_weights", None)

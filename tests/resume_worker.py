@@ -8,7 +8,7 @@ Usage: ``python tests/resume_worker.py CONFIG_JSON``. The config holds:
 - ``backup_dir``: the ``BackupAndRestore`` directory (``save_freq`` = ``save_freq`` batches).
 - ``kill_after``: global batch count (1-based, over all epochs) after whose end the process kills
   itself with SIGKILL (after ``BackupAndRestore`` has had its turn), or ``null``.
-- ``exact``: keep OptimizedModel's mid-epoch resume (``ExactResumeMixin``); ``false`` switches it
+- ``exact``: keep OptimizedModel's mid-epoch resume (``keras_fastloop.resume``); ``false`` switches it
   off in this process, to show stock Keras' behaviour.
 - ``epochs``, ``steps_per_execution``, ``save_freq``.
 
@@ -29,7 +29,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import keras_fastloop as kf  # noqa: E402
-from keras_fastloop.callbacks import resume  # noqa: E402
+from keras_fastloop import fit_loop  # noqa: E402
 
 NUM_SAMPLES, BATCH_SIZE = 48, 4
 
@@ -96,9 +96,9 @@ def main(config):
 
     model_class = kf.OptimizedModel
     if not config["exact"]:
-        # Stock Keras behaviour, for the test that shows the defect: OptimizedModel's mixin
-        # adds no resume callback in this (throw-away) process.
-        resume.with_exact_resume = lambda model, callbacks: callbacks
+        # Stock Keras behaviour, for the test that shows the defect: the fit loop adds no
+        # resume callback in this (throw-away) process.
+        fit_loop.EXTENSIONS.pop("exact_resume")
 
     inputs = keras.Input((4,))
     hidden = keras.layers.Dense(8, activation="tanh")(inputs)

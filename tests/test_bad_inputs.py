@@ -27,10 +27,10 @@ weighting_unknown_id    ValueError  Unknown `loss_weighting` id. Expected one of
 weighting_wrong_type    TypeError   `loss_weighting` must be None, a method id string or ...
 weighting_single_task   ValueError  Loss weighting 'uw' needs a model with at least two outputs
 weighting_single_dwa    ValueError  Loss weighting 'dwa' needs a model with at least two outputs
-loss_unknown_output     ValueError  `loss` has keys that are not outputs of the model
+loss_unknown_output     ValueError  `loss` names outputs the model does not have
 loss_list_length        ValueError  `loss` must have one entry per output
-loss_none               ValueError  OptimizedModel needs a `loss` in `compile()`
-loss_weights_unknown    ValueError  `loss_weights` has keys that are not outputs of the model
+loss_none_weighting     ValueError  `loss_weighting` needs the per-task losses of a compiled `loss`
+loss_weights_unknown    ValueError  `loss_weights` names outputs the model does not have
 loss_weights_length     ValueError  `loss_weights` must have one entry per output
 loss_weights_negative   ValueError  Every entry of `loss_weights` must be a finite, non-negative number
 loss_weights_string     ValueError  Every entry of `loss_weights` must be a finite, non-negative number
@@ -250,7 +250,8 @@ BAD_INPUTS = [
         "loss_unknown_output",
         lambda: compile_two(loss={"a": "mse", "c": "mse"}, loss_weighting="uw"),
         ValueError,
-        r"`loss` has keys that are not outputs of the model \['a', 'b'\]\. Received: loss=",
+        r"`loss` names outputs the model does not have: \['c'\]\. The model's outputs are "
+        r"\['a', 'b'\]\. Received: loss=",
     ),
     (
         "loss_list_length",
@@ -259,16 +260,16 @@ BAD_INPUTS = [
         r"`loss` must have one entry per output \(2: \['a', 'b'\]\)\. Received: loss=",
     ),
     (
-        "loss_none",
-        lambda: one_output().compile("sgd", None),
+        "loss_none_weighting",
+        lambda: one_output().compile("sgd", None, loss_weighting="ew"),
         ValueError,
-        r"OptimizedModel needs a `loss` in `compile\(\)`\. Received: loss=None",
+        r"`loss_weighting` needs the per-task losses of a compiled `loss`\. Received: loss=None",
     ),
     (
         "loss_weights_unknown",
         lambda: compile_two(loss_weights={"a": 1.0, "c": 1.0}, loss_weighting="static"),
         ValueError,
-        r"`loss_weights` has keys that are not outputs of the model .*Received: loss_weights=",
+        r"`loss_weights` names outputs the model does not have: .*Received: loss_weights=",
     ),
     (
         "loss_weights_length",

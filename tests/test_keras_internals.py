@@ -113,3 +113,38 @@ def test_every_keras_internal_we_use_still_exists_with_its_signature():
     i = keras.Input((2,))
     kf.OptimizedModel(i, keras.layers.Dense(1)(i))
     assert kf.OptimizedModel.__bases__[-1] is keras.Model
+
+
+# --------------------------------------------- keras_fastloop/fit_loop.py, resume.py, tuning/
+
+
+def test_epoch_iterator_seams_of_the_fit_loop():
+    """The fit loop replaces ``_enumerate_iterator`` on fit's iterator and reads its length."""
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+    from keras.src.trainers.epoch_iterator import EpochIterator
+
+    assert inspect.isgeneratorfunction(EpochIterator._enumerate_iterator)
+    assert "self._epoch_iterator = self._enumerate_iterator()" in inspect.getsource(
+        EpochIterator.__iter__
+    )
+    iterator = EpochIterator(tf.data.Dataset.range(6).batch(2))
+    assert iterator.data_adapter.num_batches == 3
+    unknown = EpochIterator(tf.data.Dataset.range(6).filter(lambda v: v >= 0).batch(2))
+    assert unknown.data_adapter.num_batches is None
+    fit = inspect.getsource(TensorFlowTrainer.fit)
+    # BackupAndRestore (and the exact resume) set `_initial_epoch` in on_train_begin, read after.
+    assert fit.index("callbacks.on_train_begin()") < fit.index("self._initial_epoch or")
+
+
+def test_checkpoint_callback_counters_used_by_resume_and_step_events():
+    """Save points are read from (and after a resume realigned in) these counters."""
+    backup = keras.callbacks.BackupAndRestore("/tmp/unused_backup_dir", save_freq=8)
+    assert backup._batches_seen_since_last_saving == 0 and backup._last_batch_seen == 0
+    assert backup._current_epoch == 0
+    assert backup._training_metadata_path and backup._weights_path
+    source = inspect.getsource(keras.callbacks.BackupAndRestore._should_save_on_batch)
+    assert "batch - self._last_batch_seen" in source
+    checkpoint = keras.callbacks.ModelCheckpoint("/tmp/unused.weights.h5", save_freq=8)
+    assert checkpoint._batches_seen_since_last_saving == 0 and checkpoint._last_batch_seen is None
+    source = inspect.getsource(keras.callbacks.ModelCheckpoint._should_save_on_batch)
+    assert "self._batches_seen_since_last_saving >= self.save_freq" in source

@@ -7,6 +7,7 @@ must match a 1-worker run (default strategy, in this process) on the same global
 
 import io
 import json
+import os
 import runpy
 import sys
 
@@ -88,7 +89,11 @@ def runs(tmp_path_factory):
     script = out / "worker.py"
     script.write_text(WORKER_SCRIPT)
     log = io.StringIO()
-    code = launch_module.launch([str(script), str(out)], workers=2, timeout=75, stdout=log)
+    # The workers import this checkout's keras_fastloop (not another editable install).
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": path}
+    code = launch_module.launch([str(script), str(out)], workers=2, timeout=75, stdout=log, env=env)
     assert code == 0, log.getvalue()[-6000:]
     workers = [json.loads((out / f"worker{i}.json").read_text()) for i in range(2)]
     # The 1-worker reference: the same script in this process, default strategy.

@@ -416,3 +416,64 @@ def test_wrapping_an_existing_model_shares_its_layers():
     x, y = rng_data()
     np.testing.assert_array_equal(wrapped.predict(x, verbose=0), base.predict(x, verbose=0))
     tf.debugging.assert_equal(wrapped.trainable_variables[0], base.trainable_variables[0])
+
+
+# ----------------------------------------- issue 15: `loss` means the same for every method
+
+
+@pytest.mark.parametrize("method", ["uw", "famo", "dwa", "pcgrad"])
+def test_logged_loss_is_the_task_sum_for_every_method(method):
+    x, y = rng_data()
+    targets = {"a": y, "b": 3 * y}
+    results = {}
+    for weighting in (None, method):
+        keras.utils.set_random_seed(7)
+        model = _two_tasks()
+        model.compile(keras.optimizers.SGD(0.0), {"a": "mse", "b": "mse"}, loss_weighting=weighting)
+        history = model.fit(
+            x, targets, batch_size=8, epochs=1, validation_split=0.25, verbose=0
+        ).history
+        results[weighting] = history
+    reference, with_method = results[None], results[method]
+    for key in ("loss", "val_loss", "a_loss", "b_loss"):
+        np.testing.assert_allclose(with_method[key], reference[key], rtol=1e-6, err_msg=key)
+    np.testing.assert_allclose(
+        with_method["loss"], np.add(with_method["a_loss"], with_method["b_loss"]), rtol=1e-6
+    )
+    assert "objective" in with_method and "objective" not in reference
+    assert "val_objective" not in with_method
+
+
+def _two_tasks():
+    i = keras.Input((4,))
+    h = keras.layers.Dense(3, activation="tanh")(i)
+    return kf.OptimizedModel(
+        i, {"a": keras.layers.Dense(1, name="a")(h), "b": keras.layers.Dense(1, name="b")(h)}
+    )
+
+
+def test_unknown_loss_keys_name_the_bad_keys_and_the_outputs():
+    model = _two_tasks()
+    with pytest.raises(ValueError) as info:
+        model.compile("sgd", {"class": "mse", "b": "mse"})
+    message = str(info.value)
+    assert "names outputs the model does not have: ['class']" in message
+    assert "The model's outputs are ['a', 'b']" in message
+
+
+def test_mixed_precision_warns_about_16_bit_outputs_at_compile():
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    model = _two_tasks()
+    with pytest.warns(UserWarning, match="\\['a', 'b'\\].*bfloat16 keeps 8 bits"):
+        model.compile("sgd", {"a": "mse", "b": "mse"})
+
+
+def test_recommended_setup_says_what_it_chose_and_how_to_undo(capsys):
+    setup = kf.tuning.recommended_setup()
+    line = capsys.readouterr().out.strip()
+    assert line == setup.summary()
+    assert repr(setup.policy) in line and "Undo: keras.config.set_dtype_policy('float32')" in line
+    keras.config.set_dtype_policy("float32")
+    kf.tuning.recommended_setup(verbose=False)
+    assert capsys.readouterr().out == ""
+    keras.config.set_dtype_policy("float32")

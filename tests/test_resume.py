@@ -11,7 +11,7 @@ through the weights. The data hold a NaN sample, so ``skipped_steps`` (and, unde
 precision, the halved loss scale) differ from their initial values before the kill.
 
 ``test_stock_keras_restarts_the_epoch`` documents what Keras 3.15 alone does (re-runs the
-interrupted epoch from its first batch): without ``ExactResumeMixin`` the weights differ.
+interrupted epoch from its first batch): without ``keras_fastloop.resume`` the weights differ.
 """
 
 import json
@@ -39,7 +39,15 @@ def run_worker(tmp_path, name, case, backup_dir, kill_after=None, exact=True, **
         "epochs": EPOCHS,
         **extra,
     }
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "CUDA_VISIBLE_DEVICES": ""}
+    # The worker imports this checkout's keras_fastloop (not another editable install).
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    env = {
+        **os.environ,
+        "TF_CPP_MIN_LOG_LEVEL": "3",
+        "CUDA_VISIBLE_DEVICES": "",
+        "PYTHONPATH": path,
+    }
     process = subprocess.run(
         [sys.executable, WORKER, json.dumps(config)],
         env=env,

@@ -322,3 +322,28 @@ def test_pipeline_keeps_order_and_rejects_non_datasets():
     assert got == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]
     with pytest.raises(TypeError, match="Received"):
         tuning.optimize_pipeline([1, 2, 3])
+
+
+def test_step_events_in_batches():
+    """Every declaration of a step event, in batches from the next batch."""
+    from keras_fastloop.tuning import events
+
+    class Every(keras.callbacks.Callback):
+        every_n_steps = 10
+
+    class Window(keras.callbacks.Callback):
+        def batches_until_next_event(self, batch):
+            return 5 - batch if batch < 5 else None
+
+    checkpoint = keras.callbacks.ModelCheckpoint("/tmp/unused.weights.h5", save_freq=6)
+    checkpoint._batches_seen_since_last_saving = 4
+    assert events.batches_until_next_event([Every()], step=23, batch=0) == 7
+    assert events.batches_until_next_event([Every()], step=23, batch=0, accumulation=2) == 14
+    assert events.batches_until_next_event([Window()], step=0, batch=3) == 2
+    assert events.batches_until_next_event([Window()], step=0, batch=7) is None
+    assert events.batches_until_next_event([checkpoint], step=0, batch=0) == 2
+    assert events.batches_until_next_event([Every(), Window(), checkpoint], 23, 0) == 2
+    epoch_checkpoint = keras.callbacks.ModelCheckpoint("/tmp/unused.weights.h5")
+    assert events.batches_until_next_event([epoch_checkpoint], 0, 0) is None
+    assert sorted(events.event_periods([Every(), checkpoint], accumulation=3)) == [6, 30]
+    assert events.reads_optimizer_step([Every()]) and not events.reads_optimizer_step([checkpoint])

@@ -133,6 +133,67 @@ def test_gradnorm_uses_and_updates_its_weights():
     np.testing.assert_allclose(model.loss_weighting.weights.numpy(), expected.numpy(), rtol=1e-5)
 
 
+_SOLVERS = {
+    "nash_mtl": lambda m: gb.nash_mtl_weights(m),
+    "aligned_mtl": gb.aligned_mtl_weights,
+    "upgrad": gb.upgrad_weights,
+    "imtl_g": gb.imtl_weights,
+}
+
+
+@pytest.mark.parametrize("method_id", sorted(_SOLVERS))
+def test_new_gradient_methods_step_applies_their_weights(method_id):
+    x, y = _data(8)
+    model = _model()
+    grads = _task_grads(model, x, y)
+    before = {v.path: v.numpy() for v in model.trainable_variables}
+    model.compile(keras.optimizers.SGD(0.1), "mse", loss_weighting=method_id)
+    logs = model.fit(x, y, batch_size=8, epochs=1, verbose=0).history
+    trunk = "trunk/kernel"
+    g = np.stack([grads[trunk][0].ravel(), grads[trunk][1].ravel()])
+    beta = _SOLVERS[method_id](tf.constant(g @ g.T, tf.float32)).numpy()
+    after = {v.path: v.numpy() for v in model.trainable_variables}
+    expected = before[trunk] - 0.1 * (beta @ g).reshape(before[trunk].shape)
+    np.testing.assert_allclose(after[trunk], expected, rtol=1e-5, atol=1e-6)
+    for head, i in (("a/kernel", 0), ("b/kernel", 1)):  # heads: weight 1
+        np.testing.assert_allclose(
+            after[head], before[head] - 0.1 * grads[head][i], rtol=1e-5, atol=1e-6
+        )
+    np.testing.assert_allclose([logs["a_weight"][0], logs["b_weight"][0]], beta, rtol=1e-5)
+
+
+def test_imtl_hybrid_step_by_hand():
+    x, y = _data(8)
+    model = _model()
+    grads = _task_grads(model, x, y)
+    before = {v.path: v.numpy() for v in model.trainable_variables}
+    model.compile(keras.optimizers.SGD(0.1), "mse", loss_weighting="imtl")
+    scales = model.loss_weighting.loss_scales
+    scales.assign([0.5, -0.25])
+    e = np.exp([0.5, -0.25])
+    pred = model(x)  # the task losses at the start
+    losses = np.array([keras.losses.MeanSquaredError()(y[k], pred[k]) for k in "ab"])
+    logs = model.fit(x, y, batch_size=8, epochs=1, verbose=0).history
+    trunk = "trunk/kernel"
+    g = np.stack([grads[trunk][0].ravel(), grads[trunk][1].ravel()])
+    h = e[:, None] * g  # gradients of the scaled losses e^s L
+    u = h / np.linalg.norm(h, axis=1, keepdims=True)
+    a2 = h[0] @ (u[0] - u[1]) / ((h[0] - h[1]) @ (u[0] - u[1]))
+    beta = np.array([1 - a2, a2]) * e
+    after = {v.path: v.numpy() for v in model.trainable_variables}
+    expected = before[trunk] - 0.1 * (beta @ g).reshape(before[trunk].shape)
+    np.testing.assert_allclose(after[trunk], expected, rtol=1e-5, atol=1e-6)
+    for head, i in (("a/kernel", 0), ("b/kernel", 1)):  # heads: gradient of e^s L
+        np.testing.assert_allclose(
+            after[head], before[head] - 0.1 * e[i] * grads[head][i], rtol=1e-5, atol=1e-6
+        )
+    # s: one SGD step on e^s L - 1
+    np.testing.assert_allclose(
+        scales.numpy(), np.log(e) - 0.1 * (e * losses - 1.0), rtol=1e-5, atol=1e-6
+    )
+    np.testing.assert_allclose([logs["a_weight"][0], logs["b_weight"][0]], beta, rtol=1e-5)
+
+
 def test_shared_variables_can_be_given():
     x, y = _data(8)
     model = _model()
@@ -151,9 +212,9 @@ def test_uw_log_variances_are_trained_by_the_model_optimizer():
     s = model.loss_weighting.log_variances.numpy()
     assert np.all(s != 0.0)
     history = model.fit(x, y, batch_size=16, epochs=1, verbose=0).history
-    # the logged weights are exp(-s) of the step, i.e. before that step's update of s
+    # the logged weights are exp(-s) / 2 of the step, i.e. before that step's update of s
     np.testing.assert_allclose(
-        [history["a_weight"][0], history["b_weight"][0]], np.exp(-s), rtol=1e-6
+        [history["a_weight"][0], history["b_weight"][0]], np.exp(-s) / 2, rtol=1e-6
     )
 
 
@@ -202,7 +263,7 @@ def test_uw_state_assigned_mid_fit_takes_effect_next_step():
             self.model.loss_weighting.log_variances.assign([np.log(2.0), 0.0])
 
     history = model.fit(x, y, epochs=2, verbose=0, callbacks=[SetLogVariances()]).history
-    assert history["a_weight"] == pytest.approx([1.0, 0.5])
+    assert history["a_weight"] == pytest.approx([0.5, 0.25])
 
 
 # -------------------------------------------------------------------------- serialization
@@ -262,11 +323,48 @@ def test_multi_task_method_on_single_task_model_fails_at_compile():
         lambda: weighting.GradNorm(alpha=-1),
         lambda: weighting.RLW(seed="x"),
         lambda: weighting.FAMO(w_lr=0),
+        lambda: weighting.MGDA(solver="qp"),
+        lambda: weighting.NashMTL(max_iter=0),
+        lambda: weighting.UPGrad(reg_eps=-1.0),
+        lambda: weighting.UPGrad(norm_eps="x"),
+        lambda: weighting.UncertaintyWeighting(halved=1),
     ],
 )
 def test_bad_arguments_fail_at_construction(make):
     with pytest.raises(ValueError, match="Received"):
         make()
+
+
+@pytest.mark.parametrize("method_id", ["uw", "dwa", "famo", "pcgrad", "ew", "nash_mtl"])
+def test_loss_weights_that_a_method_would_ignore_are_refused(method_id):
+    with pytest.raises(ValueError, match=r"`loss_weights` would be ignored .*Received: loss_w"):
+        _model().compile("sgd", "mse", loss_weights={"a": 1.0, "b": 0.5}, loss_weighting=method_id)
+    with pytest.raises(ValueError, match="would be ignored"):
+        weighting.check_loss_weights(weighting.get(method_id), [2.0, 1.0])
+    # all ones change nothing and are accepted; so are static weights and no weights
+    _model().compile("sgd", "mse", loss_weights={"a": 1, "b": 1.0}, loss_weighting=method_id)
+    _model().compile("sgd", "mse", loss_weighting=method_id)
+    weighting.check_loss_weights(weighting.get(method_id), None)
+
+
+def test_loss_weights_are_used_by_static():
+    for method in (None, "static", weighting.Static()):
+        weighting.check_loss_weights(weighting.get(method), {"a": 0.3, "b": 2.0})
+
+
+def test_dwa_windows_are_fit_epochs():
+    x, y = _data(16)
+    model = _model()
+    model.compile(keras.optimizers.SGD(0.05), "mse", loss_weighting="dwa")
+    history = model.fit(x, y, batch_size=8, epochs=4, shuffle=False, verbose=0).history
+    a, b = np.array(history["a_loss"]), np.array(history["b_loss"])  # epoch means, 2 steps each
+    assert history["a_weight"][:2] == [1.0, 1.0]
+    for epoch in (2, 3):  # weights from the two previous epochs' mean losses
+        r = np.array([a[epoch - 1] / a[epoch - 2], b[epoch - 1] / b[epoch - 2]])
+        expected = 2 * np.exp(r / 2) / np.exp(r / 2).sum()
+        got = [history["a_weight"][epoch], history["b_weight"][epoch]]
+        np.testing.assert_allclose(got, expected, rtol=1e-5)
+    assert int(model.loss_weighting.windows.numpy()) == 4
 
 
 def test_foreign_shared_variable_fails_at_compile():
@@ -306,7 +404,9 @@ def test_every_method_trains_and_logs(method_id):
     model.evaluate(x, y, verbose=0)
 
 
-@pytest.mark.parametrize("method_id", ["mgda", "cagrad", "pcgrad", "imtl"])
+@pytest.mark.parametrize(
+    "method_id", ["mgda", "cagrad", "pcgrad", "imtl", "imtl_g", "nash_mtl", "aligned_mtl", "upgrad"]
+)
 def test_three_tasks(method_id):
     inputs = keras.Input((3,))
     h = keras.layers.Dense(4, name="trunk")(inputs)

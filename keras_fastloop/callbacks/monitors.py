@@ -415,6 +415,22 @@ class ProfilerWindow(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch, logs=None):
         self._base = self._completed
 
+    def batches_until_next_event(self, batch):
+        """Batches from the next one (index ``batch`` of the epoch) to the window's next edge.
+
+        A step event for ``steps_per_execution="auto"`` (:mod:`keras_fastloop.tuning.events`):
+        executions end right before ``start_step`` and right after ``stop_step``, so the window
+        is profiled exactly. Returns an int >= 1, or ``None`` once the window is done.
+        """
+        if self._done:
+            return None
+        first = self._base + int(batch) + 1
+        if first < self.start_step:
+            return self.start_step - first
+        if first <= self.stop_step:
+            return self.stop_step - first + 1
+        return None
+
     def on_train_batch_begin(self, batch, logs=None):
         if self._running or self._done:
             return

@@ -13,11 +13,15 @@ from keras_fastloop.weighting.dwa import DWA
 from keras_fastloop.weighting.famo import FAMO
 from keras_fastloop.weighting.gradient_based import (
     IMTL,
+    IMTLG,
     MGDA,
+    AlignedMTL,
     CAGrad,
     GradientWeighting,
     GradNorm,
+    NashMTL,
     PCGrad,
+    UPGrad,
 )
 from keras_fastloop.weighting.loss_based import LossEMA
 from keras_fastloop.weighting.rlw import RLW
@@ -36,6 +40,10 @@ _METHODS = {
     "cagrad": CAGrad,
     "mgda": MGDA,
     "imtl": IMTL,
+    "imtl_g": IMTLG,
+    "nash_mtl": NashMTL,
+    "aligned_mtl": AlignedMTL,
+    "upgrad": UPGrad,
 }
 
 
@@ -75,23 +83,63 @@ def get(identifier):
     )
 
 
+def check_loss_weights(weighting, loss_weights):
+    """Refuse ``compile(loss_weights=...)`` that the weighting method would ignore.
+
+    Only ``static`` (the default, ``loss_weighting=None``) and methods that set
+    ``accepts_loss_weights = True`` use ``loss_weights``; every adaptive method decides its own
+    weights, and silently dropping the user's would train something else than asked. Weights
+    that are all exactly 1 are accepted everywhere (they change nothing; their keys and length
+    are checked later by ``compile``). Called by ``compile()`` right after :func:`get`, before
+    the losses are resolved.
+
+    Args:
+        weighting: the :class:`LossWeighting` from :func:`get`.
+        loss_weights: ``compile``'s ``loss_weights``: ``None``, a float, a list or a dict.
+
+    Raises:
+        ValueError: ``loss_weights`` with an entry other than 1 for a method that ignores them.
+    """
+    if loss_weights is None or getattr(weighting, "accepts_loss_weights", False):
+        return
+    if isinstance(loss_weights, dict):
+        values = list(loss_weights.values())
+    elif isinstance(loss_weights, (list, tuple)):
+        values = list(loss_weights)
+    else:
+        values = [loss_weights]
+    if all(not isinstance(v, bool) and isinstance(v, (int, float)) and v == 1 for v in values):
+        return
+    raise ValueError(
+        f"`loss_weights` would be ignored by loss_weighting='{weighting.name}', which sets its "
+        "own task weights. Remove `loss_weights`, use loss_weighting=None (or 'static') for "
+        "fixed weights, or scale the task's loss function itself. "
+        f"Received: loss_weights={loss_weights!r}, loss_weighting='{weighting.name}'"
+    )
+
+
 METHODS = tuple(sorted(_METHODS))
 
 __all__ = [
     "DWA",
     "FAMO",
     "IMTL",
+    "IMTLG",
     "MGDA",
     "METHODS",
     "RLW",
+    "AlignedMTL",
     "CAGrad",
     "EqualWeighting",
     "GradNorm",
     "GradientWeighting",
     "LossEMA",
     "LossWeighting",
+    "NashMTL",
     "PCGrad",
     "Static",
+    "UPGrad",
     "UncertaintyWeighting",
+    "check_loss_weights",
     "get",
 ]

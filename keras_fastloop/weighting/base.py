@@ -17,6 +17,8 @@ The step calls, in order, inside one ``tf.function``:
    ``read_weights()`` taken right after (so the logged weights are this step's).
 4. ``update(losses)`` after the optimizer applied the update (only on steps that were applied):
    advance the method's state.
+5. ``callbacks()``, outside the step: Keras callbacks that ``OptimizedModel.fit`` adds to every
+   ``fit`` (default: none; DWA closes its per-epoch averaging window there).
 
 Weights are read from variables at run time, never baked into the trace: assigning
 ``model.loss_weighting.weights`` (or any state variable) during ``fit`` takes effect on the next
@@ -42,6 +44,8 @@ class LossWeighting:
 
     name = "base"
     requires_task_gradients = False
+    # Whether the method uses compile(loss_weights=...) (see weighting.check_loss_weights).
+    accepts_loss_weights = False
 
     def __init__(self):
         self.task_names = None
@@ -53,11 +57,7 @@ class LossWeighting:
 
     def build(self, model, state, task_names, static_weights):
         """Create variables. ``static_weights`` are the floats of ``compile(loss_weights=...)``."""
-        if len(task_names) < 2 and self.name not in ("static", "ew"):
-            raise ValueError(
-                f"Loss weighting '{self.name}' needs a model with at least two outputs that have "
-                f"a loss. Received: {len(task_names)} task(s) {list(task_names)}"
-            )
+        self.check_tasks(task_names)
         self.task_names = list(task_names)
         self.weights = state.add_weight(
             shape=(len(task_names),),
@@ -67,6 +67,14 @@ class LossWeighting:
             name="loss_weights",
             aggregation="only_first_replica",
         )
+
+    def check_tasks(self, task_names):
+        """Raise ``ValueError`` unless a multi-task method gets at least two tasks."""
+        if len(task_names) < 2 and self.name not in ("static", "ew"):
+            raise ValueError(
+                f"Loss weighting '{self.name}' needs a model with at least two outputs that have "
+                f"a loss. Received: {len(task_names)} task(s) {list(task_names)}"
+            )
 
     def initial_weights(self, static_weights):
         return [1.0] * len(static_weights)
@@ -103,6 +111,13 @@ class LossWeighting:
     def update(self, losses):
         """Advance the method's state after an applied step (default: nothing)."""
 
+    def callbacks(self):
+        """Keras callbacks ``OptimizedModel.fit`` adds to every ``fit`` (default: none).
+
+        E.g. DWA closes its averaging window at each epoch end.
+        """
+        return []
+
     def get_config(self):
         return {}
 
@@ -129,6 +144,7 @@ class Static(LossWeighting):
     """
 
     name = "static"
+    accepts_loss_weights = True
 
     def initial_weights(self, static_weights):
         return list(static_weights)

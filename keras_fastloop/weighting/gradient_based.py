@@ -1,12 +1,15 @@
-"""Gradient-based multi-task methods: GradNorm, PCGrad, CAGrad, MGDA, IMTL-G.
+"""Gradient-based multi-task methods: GradNorm, PCGrad, CAGrad, MGDA, IMTL, Nash-MTL,
+Aligned-MTL and UPGrad.
 
-All five act on the gradients of the *shared* variables and reduce to weights ``beta`` on the
+All of them act on the gradients of the *shared* variables and reduce to weights ``beta`` on the
 task gradients: the shared variables get ``sum_i beta_i g_i`` and ``beta`` is a function of
 the tasks' Gram matrix ``M_ij = <g_i, g_j>`` (plus the losses and the method's state). PCGrad's
 sequential projections, for instance, only ever subtract multiples of original task gradients,
-so they are tracked as coefficients in Gram space. The step therefore never materialises a
-concatenated gradient vector: ``M`` is summed variable by variable and the update is one
-weighted sum per variable.
+so they are tracked as coefficients in Gram space; UPGrad's projections onto the dual cone and
+Aligned-MTL's singular-value alignment are likewise linear maps of the task gradients whose
+coefficients follow from ``M`` alone. The step therefore never materialises a concatenated
+gradient vector: ``M`` is summed variable by variable and the update is one weighted sum per
+variable.
 
 Cost. :meth:`GradientWeighting.gradients` runs one backward pass per task
 (``tape.gradient(L_i, variables)``). That pass has to go through task ``i``'s head to reach the
@@ -35,12 +38,16 @@ Distribution. Per-task shared gradients are summed across replicas before the Gr
 every replica computes the same ``beta`` from the global batch; the weighted local gradients
 are then summed by the step as usual.
 
-Heads and logs. Following LibMTL, task-specific variables get the plain task gradient (weight 1)
-for PCGrad, CAGrad, MGDA and IMTL (their weights resolve conflicts on shared parameters;
-scaling a head's gradient would only change its learning rate), and the loss weights ``w``
-for GradNorm. The logged ``{task}_weight`` is ``beta`` (the effective weight of each task's
-shared gradient this step; e.g. MGDA's alphas) and the logged ``loss`` is
-``sum_i head_weight_i L_i`` + regularization.
+Heads and logs. Task-specific variables get the plain task gradient (weight 1) for PCGrad,
+CAGrad, MGDA, IMTL-G, Nash-MTL, Aligned-MTL and UPGrad: their weights resolve conflicts on
+shared parameters, and scaling a head's gradient would only change its learning rate. This is
+what LibMTL does for all of them except Nash-MTL, whose reference code back-propagates
+``sum_i alpha_i L_i`` and so scales the heads by ``alpha`` too (see ``docs/weighting.md``).
+GradNorm gives the heads its loss weights ``w`` (the paper's objective ``sum_i w_i L_i``;
+LibMTL leaves them at 1) and IMTL the gradients of its scaled losses, ``e^{s_i} g_i``. The
+logged ``{task}_weight`` is ``beta`` (the effective weight of each task's shared gradient this
+step; e.g. MGDA's alphas) and the logged ``loss`` is ``sum_i head_weight_i L_i`` +
+regularization (plus IMTL's ``-s_i`` terms).
 """
 
 from __future__ import annotations
@@ -50,6 +57,7 @@ import numpy as np
 import tensorflow as tf
 from keras import ops
 
+from keras_fastloop import _keras_internals as internals
 from keras_fastloop import distributed
 from keras_fastloop.weighting import _utils
 from keras_fastloop.weighting.base import _PACKAGE, LossWeighting
@@ -136,6 +144,25 @@ def mgda_weights(gram, max_iter=250, tolerance=1e-5):
     alpha0 = tf.fill((t,), 1.0 / t)
     _, alpha, _ = tf.while_loop(cond, body, (0, alpha0, tf.constant(1.0, gram.dtype)))
     return alpha
+
+
+def min_norm_weights(gram):
+    """Exact min-norm point of the convex hull of the task gradients (active-set solver).
+
+    ``argmin_{alpha in simplex} alpha^T M alpha`` through the non-negative least-squares
+    problem ``z = argmin_{z >= 0} |G z|^2 + (1 - 1^T z)^2``, i.e. :func:`nonnegative_quadratic`
+    on ``M + 1 1^T`` with ``c = -1``: its optimality conditions, ``(M z)_i >= 1 - 1^T z`` with
+    equality where ``z_i > 0``, are the simplex problem's for ``alpha = z / 1^T z`` (Lawson &
+    Hanson's reduction of least-distance programming to NNLS). Exact up to float32 rounding
+    (``|alpha - alpha*| <~ 3e-6`` against a float64 enumeration of supports, up to 8 tasks).
+    Computed on ``M / mean(diag M)`` (``alpha`` is scale-free).
+    """
+    t = gram.shape[0]
+    mean_diag = tf.reduce_mean(tf.linalg.diag_part(gram))
+    m = gram / tf.where(mean_diag > 0.0, mean_diag, 1.0)
+    z = nonnegative_quadratic(m + tf.ones((t, t), gram.dtype), -tf.ones((t,), gram.dtype))
+    total = tf.reduce_sum(z)
+    return tf.where(total > 0.0, z / tf.where(total > 0.0, total, 1.0), tf.fill((t,), 1.0 / t))
 
 
 def cagrad_weights(gram, c=0.5, rescale=1, max_iter=100):
@@ -234,10 +261,186 @@ def gradnorm_update(weights, norms, losses, initial_losses, alpha, learning_rate
     return t * new / tf.reduce_sum(new)
 
 
+def nash_mtl_weights(gram, max_iter=20, tolerance=1e-10):
+    """Nash-MTL's bargaining weights: ``alpha > 0`` with ``M_n alpha = 1 / alpha``.
+
+    ``M_n = M / |M|_F`` (the Gram matrix normalised by its Frobenius norm, as the authors' code
+    does, so that the update ``sum_i alpha_i g_i`` scales like a gradient: its norm is
+    ``sqrt(T |M|_F)``; the un-normalised equation gives norm ``sqrt(T)`` whatever the
+    gradients). The equation is the stationarity condition of the strictly convex
+    ``F(alpha) = alpha^T M_n alpha / 2 - sum_i log alpha_i`` on ``alpha > 0``, so its solution
+    is ``F``'s unique minimiser. It is found by damped Newton steps (``alpha += delta / (1 +
+    lambda)`` while the Newton decrement ``lambda >= 1/4``, full steps after; every iterate stays
+    positive) from ``alpha_i = c / sqrt(M_n,ii)`` with the best scalar ``c`` (exact for
+    orthogonal gradients), stopping when ``lambda^2 < tolerance`` or after ``max_iter`` steps.
+    When a convex combination of the gradients is zero (a Pareto-stationary point) no solution
+    exists; the iterates then grow along that combination, which leaves the update bounded.
+
+    Args:
+        gram: ``(T, T)`` float32 Gram matrix.
+        max_iter: Newton steps at most (default 20).
+        tolerance: stop when the squared Newton decrement is below (default ``1e-10``).
+
+    Returns:
+        ``alpha`` of shape ``(T,)`` (ones when every gradient is zero).
+    """
+    t = gram.shape[0]
+    frobenius = tf.sqrt(tf.reduce_sum(tf.square(gram)))
+    degenerate = frobenius <= 0.0
+    m = tf.where(
+        degenerate, tf.eye(t, dtype=gram.dtype), gram / tf.where(degenerate, 1.0, frobenius)
+    )
+    d = tf.math.rsqrt(tf.maximum(tf.linalg.diag_part(m), 1e-30))
+    c = tf.sqrt(t / tf.maximum(tf.reduce_sum(d * tf.linalg.matvec(m, d)), 1e-30))
+
+    def body(i, alpha, decrement):
+        grad = tf.linalg.matvec(m, alpha) - 1.0 / alpha
+        hessian = m + tf.linalg.diag(1.0 / tf.square(alpha))
+        delta = -tf.linalg.solve(hessian, grad[:, None])[:, 0]
+        lam2 = tf.maximum(-tf.reduce_sum(grad * delta), 0.0)
+        lam = tf.sqrt(lam2)
+        step = tf.where(lam < 0.25, 1.0, 1.0 / (1.0 + lam))
+        return i + 1, alpha + step * delta, lam2
+
+    def cond(i, alpha, decrement):
+        return tf.logical_and(i < max_iter, decrement >= tolerance)
+
+    _, alpha, _ = tf.while_loop(cond, body, (0, c * d, tf.constant(1.0, gram.dtype)))
+    return tf.where(degenerate, tf.ones_like(alpha), alpha)
+
+
+def aligned_mtl_weights(gram):
+    """Aligned-MTL: the task gradients' matrix with all singular values set to the smallest.
+
+    With ``G = [g_1 .. g_T] = U S V^T`` (thin SVD over the ``r`` non-negligible singular
+    values; ``M = V S^2 V^T``), the aligned matrix is ``sigma_min U V^T = G V (sigma_min /
+    S) V^T`` and the update is its column sum, so ``beta = V diag(sigma_min / S) V^T 1``.
+    Eigenvalues of ``M`` at or below ``max(eig) * T * eps_float32`` are dropped (the rank
+    cut), as in the authors' and LibMTL's code. Computed from ``M / trace(M)`` (``beta`` is
+    scale-free). Zeros when every gradient is zero.
+
+    Args:
+        gram: ``(T, T)`` float32 Gram matrix.
+
+    Returns:
+        ``beta`` of shape ``(T,)``.
+    """
+    t = gram.shape[0]
+    trace = tf.linalg.trace(gram)
+    m = gram / tf.where(trace > 0.0, trace, 1.0)
+    eigenvalues, vectors = tf.linalg.eigh(m)
+    keep = eigenvalues > tf.reduce_max(eigenvalues) * t * np.finfo(np.float32).eps
+    sigma = tf.sqrt(tf.where(keep, eigenvalues, 1.0))
+    sigma_min = tf.reduce_min(tf.where(keep, sigma, np.inf))
+    coefficients = tf.where(keep, sigma_min / sigma, 0.0)
+    beta = tf.linalg.matvec(vectors, coefficients * tf.reduce_sum(vectors, axis=0))
+    return tf.where(trace > 0.0, beta, tf.zeros_like(beta))
+
+
+def nonnegative_quadratic(m, c, max_iter=None, tolerance=1e-6):
+    """``argmin_{z >= 0} z^T M z / 2 + c^T z`` (Lawson & Hanson's active-set method, Gram form).
+
+    Exact (up to float rounding) once the right free set is found; every outer iteration frees
+    the coordinate with the largest descent, the inner loop keeps the iterate feasible.
+
+    Args:
+        m: ``(T, T)`` symmetric positive (semi-)definite matrix.
+        c: ``(T,)`` linear term.
+        max_iter: outer iterations at most (default ``3 T``).
+        tolerance: a coordinate is freed while its negative gradient exceeds this.
+
+    Returns:
+        ``z`` of shape ``(T,)``.
+    """
+    t = m.shape[0]
+    max_iter = 3 * t if max_iter is None else max_iter
+    eye = tf.eye(t, dtype=m.dtype)
+    index = tf.range(t)
+
+    def solve_free(free):
+        both = tf.logical_and(free[:, None], free[None, :])
+        a = tf.where(both, m, eye)
+        s = tf.linalg.solve(a, tf.where(free, -c, 0.0)[:, None])[:, 0]
+        return tf.where(free, s, 0.0)
+
+    def descent(z):
+        return -(tf.linalg.matvec(m, z) + c)
+
+    def inner_body(n, z, free, done):
+        s = solve_free(free)
+        ok = tf.reduce_all(tf.logical_or(tf.logical_not(free), s > 0.0))
+        bad = tf.logical_and(free, s <= 0.0)
+        gap = z - s
+        ratio = tf.where(tf.logical_and(bad, gap > 0.0), z / tf.where(gap > 0.0, gap, 1.0), 0.0)
+        ratio = tf.where(bad, ratio, np.inf)
+        alpha = tf.clip_by_value(tf.reduce_min(ratio), 0.0, 1.0)
+        leaving = tf.argmin(ratio, output_type=tf.int32)
+        moved = z + alpha * (s - z)
+        still = tf.logical_and(tf.logical_and(free, moved > 0.0), tf.not_equal(index, leaving))
+        new_free = tf.where(ok, free, still)
+        new_z = tf.where(ok, s, tf.where(still, moved, 0.0))
+        return n + 1, new_z, new_free, ok
+
+    def outer_cond(k, z, free):
+        w = descent(z)
+        return tf.logical_and(
+            k < max_iter, tf.reduce_any(tf.logical_and(tf.logical_not(free), w > tolerance))
+        )
+
+    def outer_body(k, z, free):
+        w = descent(z)
+        j = tf.argmax(tf.where(free, -np.inf, w), output_type=tf.int32)
+        free = tf.logical_or(free, tf.equal(index, j))
+        _, z, free, _ = tf.while_loop(
+            lambda n, z, free, done: tf.logical_and(tf.logical_not(done), n <= t),
+            inner_body,
+            (0, z, free, tf.constant(False)),
+        )
+        return k + 1, z, free
+
+    init = (0, tf.zeros((t,), m.dtype), tf.zeros((t,), tf.bool))
+    _, z, _ = tf.while_loop(outer_cond, outer_body, init)
+    return z
+
+
+def upgrad_weights(gram, norm_eps=1e-4, reg_eps=1e-4):
+    """UPGrad: the mean of each task gradient projected onto the dual cone of all of them.
+
+    The dual cone is ``{x : <g_j, x> >= 0 for all j}``. By Quinton & Rey's Proposition 1 the
+    projection of ``sum_j u_j g_j`` is ``sum_j v_j g_j`` with ``v = argmin_{v >= u} v^T M v``;
+    UPGrad averages the projections of ``g_1 .. g_T`` (``u = e_i / T``), so ``beta = (1/T)
+    sum_i v^(i)``. As in ``torchjd``, ``M`` is first divided by its trace (set to zero when the
+    trace is below ``norm_eps``) and ``reg_eps * I`` is added; each quadratic program is solved
+    exactly by :func:`nonnegative_quadratic` (``v = e_i + z``). Without conflicts
+    (``M_ij >= 0``) every projection is the gradient itself and ``beta = 1/T``.
+
+    Args:
+        gram: ``(T, T)`` float32 Gram matrix.
+        norm_eps: non-negative float, default ``1e-4``.
+        reg_eps: non-negative float, default ``1e-4``.
+
+    Returns:
+        ``beta`` of shape ``(T,)``.
+    """
+    t = gram.shape[0]
+    trace = tf.linalg.trace(gram)
+    m = tf.where(trace < norm_eps, tf.zeros_like(gram), gram / tf.where(trace > 0.0, trace, 1.0))
+    m = m + reg_eps * tf.eye(t, dtype=gram.dtype)
+    eye = tf.eye(t, dtype=gram.dtype)
+    total = tf.zeros((t,), gram.dtype)
+    for i in range(t):
+        z = nonnegative_quadratic(m, tf.linalg.matvec(m, eye[i]))
+        total = total + eye[i] + z
+    return total / t
+
+
 # The iterative solvers run as one XLA cluster inside the step: a loop of tiny T x T ops costs
 # one kernel launch instead of hundreds of op dispatches (3x faster CAGrad steps on CPU).
 _cagrad_weights_xla = tf.function(cagrad_weights, jit_compile=True, autograph=False)
 _mgda_weights_xla = tf.function(mgda_weights, jit_compile=True, autograph=False)
+_min_norm_weights_xla = tf.function(min_norm_weights, jit_compile=True, autograph=False)
+_nash_mtl_weights_xla = tf.function(nash_mtl_weights, jit_compile=True, autograph=False)
+_upgrad_weights_xla = tf.function(upgrad_weights, jit_compile=True, autograph=False)
 
 
 # ------------------------------------------------------------------------------ the base
@@ -364,19 +567,28 @@ class GradientWeighting(LossWeighting):
 class GradNorm(GradientWeighting):
     """Gradient normalization: learn loss weights that equalise the tasks' training rates.
 
-    Algorithm, every step with loss weights ``w`` (sum ``T``, start at 1), shared-gradient
-    norms ``|g_i|`` and losses ``L_i`` (``L_i(0)`` recorded at the first applied step)::
+    Algorithm (Chen et al.'s Eqs. 1-2 and Algorithm 1), every step with loss weights ``w``
+    (sum ``T``, start at 1), shared-gradient norms ``|g_i|`` and losses ``L_i`` (``L_i(0)``
+    recorded at the first applied step)::
 
         G_i = w_i |g_i|,  r_i = (L_i / L_i(0)) / mean_j (L_j / L_j(0))
         L_grad = sum_i |G_i - mean(G) r_i^alpha|          (the target held constant)
+        dL_grad/dw_i = sign(G_i - target_i) |g_i|
         w <- renormalise_T(max(w - learning_rate * dL_grad/dw, 1e-6))
 
-    The update uses this step's ``w``; the new ``w`` is committed after the update is applied
-    (skipped steps leave it unchanged). Every variable, shared or not, gets
-    ``sum_i w_i g_i`` (the paper's objective ``sum_i w_i L_i``). The norms are taken over all
-    shared variables (LibMTL); the paper uses the last shared layer only, which
-    ``compile(shared_variables=[that_layer])`` reproduces. Assigning ``weights`` mid-``fit``
-    sets the next step's weights.
+    i.e. one plain gradient step on ``L_grad`` with respect to ``w`` (the paper leaves that
+    optimizer open), the floor keeping ``w`` positive, then the paper's renormalisation to sum
+    ``T``. The update uses this step's ``w``; the new ``w`` is committed after the update is
+    applied (skipped steps leave it unchanged). Every variable, shared or not, gets
+    ``sum_i w_i g_i`` (the paper's objective ``sum_i w_i L_i`` back-propagated to the whole
+    network). The norms are taken over all shared variables (LibMTL); the paper uses the last
+    shared layer only, which ``compile(shared_variables=[that_layer])`` reproduces. Assigning
+    ``weights`` mid-``fit`` sets the next step's weights.
+
+    LibMTL differs: its weights are ``T * softmax(logits)`` with the logits trained on
+    ``L_grad`` by the network's own optimizer (learning rate included), it trains the first
+    epoch with equal weights and takes ``L_i(0)`` as that epoch's mean loss, and its heads get
+    the plain task gradient (weight 1). See ``docs/weighting.md``.
 
     Args:
         alpha: non-negative float, default ``1.5``: strength of the restoring force.
@@ -515,6 +727,7 @@ class CAGrad(GradientWeighting):
 
 
 _MGDA_NORMALIZATIONS = ("none", "l2", "loss", "loss+")
+_MGDA_SOLVERS = ("active_set", "frank_wolfe")
 
 
 @keras.saving.register_keras_serializable(package=_PACKAGE)
@@ -522,16 +735,19 @@ class MGDA(GradientWeighting):
     """Multiple-gradient descent: the min-norm convex combination of the task gradients.
 
     Algorithm: ``alpha = argmin_{alpha in simplex} |sum_i alpha_i g_i / n_i|^2`` with the
-    normaliser ``n_i`` of ``gradient_normalization``; closed form for two tasks, Frank-Wolfe
-    (Sener & Koltun's Algorithm 2, exact line search) otherwise. The shared variables get
-    ``sum_i (alpha_i / n_i) g_i``; the logged weights are ``alpha_i / n_i`` (= ``alpha`` with the
-    default ``"none"``).
+    normaliser ``n_i`` of ``gradient_normalization``; closed form for two tasks, otherwise the
+    exact active-set solver (:func:`min_norm_weights`, default) or Sener & Koltun's
+    Frank-Wolfe iteration (their Algorithm 2, exact line search, as LibMTL; it stops when
+    ``sum |delta alpha| < tolerance``, which can leave ``alpha`` a few 1e-2 from the optimum).
+    The shared variables get ``sum_i (alpha_i / n_i) g_i``; the logged weights are
+    ``alpha_i / n_i`` (= ``alpha`` with the default ``"none"``).
 
     Args:
         gradient_normalization: one of ``"none"`` (default, LibMTL), ``"l2"`` (``|g_i|``),
             ``"loss"`` (``L_i``), ``"loss+"`` (``L_i |g_i|``).
-        max_iter: positive int, default ``250``: Frank-Wolfe iterations (``T > 2``).
-        tolerance: positive float, default ``1e-5``: stop when ``sum |delta alpha|`` is below.
+        solver: ``"active_set"`` (default, exact) or ``"frank_wolfe"`` (``T > 2``).
+        max_iter: positive int, default ``250``: Frank-Wolfe iterations.
+        tolerance: positive float, default ``1e-5``: Frank-Wolfe's stopping threshold.
 
     Example:
         >>> model.compile("adam", losses, loss_weighting="mgda")
@@ -542,14 +758,21 @@ class MGDA(GradientWeighting):
 
     name = "mgda"
 
-    def __init__(self, gradient_normalization="none", max_iter=250, tolerance=1e-5):
+    def __init__(
+        self, gradient_normalization="none", solver="active_set", max_iter=250, tolerance=1e-5
+    ):
         super().__init__()
         if gradient_normalization not in _MGDA_NORMALIZATIONS:
             raise ValueError(
                 f"`gradient_normalization` must be one of {_MGDA_NORMALIZATIONS}. "
                 f"Received: gradient_normalization={gradient_normalization!r}"
             )
+        if solver not in _MGDA_SOLVERS:
+            raise ValueError(
+                f"`solver` must be one of {_MGDA_SOLVERS}. Received: solver={solver!r}"
+            )
         self.gradient_normalization = gradient_normalization
+        self.solver = solver
         self.max_iter = _utils.check_positive_int(max_iter, "max_iter")
         self.tolerance = _utils.check_positive(tolerance, "tolerance")
 
@@ -565,6 +788,8 @@ class MGDA(GradientWeighting):
         gram = gram / (n[:, None] * n[None, :])
         if self.num_tasks == 2:
             alpha = mgda_weights(gram)
+        elif self.solver == "active_set":
+            alpha = _min_norm_weights_xla(gram)
         else:
             alpha = _mgda_weights_xla(gram, self.max_iter, self.tolerance)
         return alpha / n
@@ -572,30 +797,195 @@ class MGDA(GradientWeighting):
     def get_config(self):
         return {
             "gradient_normalization": self.gradient_normalization,
+            "solver": self.solver,
             "max_iter": self.max_iter,
             "tolerance": self.tolerance,
         }
 
 
 @keras.saving.register_keras_serializable(package=_PACKAGE)
-class IMTL(GradientWeighting):
-    """Impartial multi-task learning, gradient part (IMTL-G).
+class IMTLG(GradientWeighting):
+    """Impartial multi-task learning, gradient part only (IMTL-G, ``imtl_g``).
 
     Algorithm: find ``alpha`` (summing to 1) such that the aggregate ``g = sum_i alpha_i g_i``
     has the same projection on every task's unit gradient ``u_i = g_i / |g_i|``; closed form
     ``alpha_{2..T} = g_1 U^T (D U^T)^{-1}``, ``alpha_1 = 1 - sum alpha_{2..T}`` with
-    ``D = [g_1 - g_i]``, ``U = [u_1 - u_i]`` (see :func:`imtl_weights`). The logged weights are
-    ``alpha``. The loss-scaling half (IMTL-L) is not included; combine with care.
+    ``D = [g_1 - g_i]``, ``U = [u_1 - u_i]`` (see :func:`imtl_weights`; a pseudo-inverse, so
+    aligned tasks give a finite answer). The logged weights are ``alpha``; heads get weight 1.
+    The full method of the paper, with IMTL-L's learned loss scales, is ``imtl``
+    (:class:`IMTL`).
+
+    Example:
+        >>> model.compile("adam", losses, loss_weighting="imtl_g")
+
+    Reference:
+        Liu, Li, Kuang, Xue, Chen, Yang, Liao & Zhang, "Towards Impartial Multi-task Learning",
+        ICLR 2021 (Section 3.2, IMTL-G).
+    """
+
+    name = "imtl_g"
+
+    def task_weights(self, gram, losses):
+        return imtl_weights(gram)
+
+
+@keras.saving.register_keras_serializable(package=_PACKAGE)
+class IMTL(GradientWeighting):
+    """Impartial multi-task learning, the hybrid of the paper (IMTL-L + IMTL-G, ``imtl``).
+
+    Algorithm, with one trainable loss scale ``s_i`` per task (start 0):
+
+    - IMTL-L: every task's loss becomes ``e^{s_i} L_i - s_i``. The ``s_i`` are trained by the
+      model's optimizer on the gradient of that scaled loss, ``e^{s_i} L_i - 1`` (its minimum
+      over ``s_i`` is at ``e^{s_i} = 1 / L_i``: every scaled loss is pushed towards 1).
+    - IMTL-G on the scaled losses' gradients ``e^{s_i} g_i``: ``alpha`` summing to 1 with
+      equal projections of ``sum_i alpha_i e^{s_i} g_i`` on every unit gradient
+      (:func:`imtl_weights` on ``diag(e^s) M diag(e^s)``).
+
+    The shared variables get ``sum_i alpha_i e^{s_i} g_i`` (logged ``{task}_weight`` =
+    ``alpha_i e^{s_i}``, the weight of the raw gradient ``g_i``); task-specific variables get
+    the scaled loss' gradient ``e^{s_i} g_i``. The ``s_i`` are created with
+    ``model.add_weight`` (name ``imtl_loss_scales``), saved with the model and trained with
+    its learning rate; the ``- s_i`` term is divided by the number of replicas like any
+    regularization loss. The paper applies IMTL-G to the gradients with respect to the shared
+    *representation*; here (as LibMTL's default) to the shared *parameters*.
 
     Example:
         >>> model.compile("adam", losses, loss_weighting="imtl")
 
     Reference:
         Liu, Li, Kuang, Xue, Chen, Yang, Liao & Zhang, "Towards Impartial Multi-task Learning",
-        ICLR 2021.
+        ICLR 2021 (Algorithm 1, IMTL); LibMTL's ``IMTL``.
     """
 
     name = "imtl"
 
+    def __init__(self):
+        super().__init__()
+        self.loss_scales = None
+
+    def build(self, model, state, task_names, static_weights):
+        from keras_fastloop.weighting.uncertainty import _model_variable
+
+        super().build(model, state, task_names, static_weights)
+        self.loss_scales = _model_variable(model, "imtl_loss_scales", (len(task_names),), 0.0)
+
+    def _scales(self):
+        return ops.exp(ops.cast(ops.convert_to_tensor(self.loss_scales), "float32"))
+
+    def head_weights(self):
+        return ops.stop_gradient(self._scales())
+
+    def combine(self, losses):
+        s = ops.cast(ops.convert_to_tensor(self.loss_scales), "float32")
+        scaled = ops.exp(s) * ops.stop_gradient(ops.stack(losses))
+        # Gradient for s only (the network's gradients come from the per-task passes).
+        objective = ops.sum(scaled) - internals.scale_loss_for_distribution(ops.sum(s))
+        return objective, self.read_weights()
+
     def task_weights(self, gram, losses):
-        return imtl_weights(gram)
+        scales = self._scales()
+        alpha = imtl_weights(gram * scales[:, None] * scales[None, :])
+        return alpha * scales
+
+
+@keras.saving.register_keras_serializable(package=_PACKAGE)
+class NashMTL(GradientWeighting):
+    """Nash-MTL: the Nash bargaining solution between tasks (``nash_mtl``).
+
+    Algorithm: the update is ``sum_i alpha_i g_i`` with ``alpha > 0`` solving
+    ``(G^T G) alpha = 1 / alpha`` (element-wise), i.e. every task's directional improvement
+    ``<g_i, d>`` equals ``1 / alpha_i`` (proportional fairness). ``G^T G`` is the Gram matrix
+    normalised by its Frobenius norm, as in the authors' code (the update then scales like a
+    gradient; see :func:`nash_mtl_weights`). Solved exactly in-graph by damped Newton
+    iterations on the convex potential whose stationarity condition the equation is (the paper
+    approximates it by a sequence of convex programs with a CVXPY solver, at most 20 of them
+    by default). Heads get weight 1 (the reference code gives them ``alpha_i``); the reference's
+    default clipping of the shared gradient to norm 1 is not applied, use
+    ``compile(gradient_clipping=...)``.
+
+    Args:
+        max_iter: positive int, default ``20``: Newton steps at most.
+
+    Example:
+        >>> model.compile("adam", losses, loss_weighting="nash_mtl")
+
+    Reference:
+        Navon, Shamsian, Achituve, Maron, Kawaguchi, Chechik & Fetaya, "Multi-Task Learning as a
+        Bargaining Game", ICML 2022.
+    """
+
+    name = "nash_mtl"
+
+    def __init__(self, max_iter=20):
+        super().__init__()
+        self.max_iter = _utils.check_positive_int(max_iter, "max_iter")
+
+    def task_weights(self, gram, losses):
+        return _nash_mtl_weights_xla(gram, self.max_iter)
+
+    def get_config(self):
+        return {"max_iter": self.max_iter}
+
+
+@keras.saving.register_keras_serializable(package=_PACKAGE)
+class AlignedMTL(GradientWeighting):
+    """Aligned-MTL: align the principal components of the task gradients (``aligned_mtl``).
+
+    Algorithm: with the task-gradient matrix ``G = U S V^T``, replace it by the aligned
+    ``sigma_min U V^T`` (every singular value set to the smallest non-negligible one, which
+    makes the linear system's condition number 1) and update with its column sum (equal task
+    weights ``w = 1``), i.e. ``beta = sigma_min V S^{-1} V^T 1`` from the eigen-decomposition
+    of the Gram matrix (:func:`aligned_mtl_weights`). Orthogonal gradients of norms ``n_i`` get
+    ``beta_i = min(n) / n_i``. Heads get weight 1.
+
+    Example:
+        >>> model.compile("adam", losses, loss_weighting="aligned_mtl")
+
+    Reference:
+        Senushkin, Patakin, Kuznetsov & Konushin, "Independent Component Alignment for
+        Multi-Task Learning", CVPR 2023.
+    """
+
+    name = "aligned_mtl"
+
+    def task_weights(self, gram, losses):
+        return aligned_mtl_weights(gram)
+
+
+@keras.saving.register_keras_serializable(package=_PACKAGE)
+class UPGrad(GradientWeighting):
+    """UPGrad: unconflicting projection of gradients (``upgrad``, the ``torchjd`` aggregator).
+
+    Algorithm: project every task gradient ``g_i`` onto the dual cone of all of them,
+    ``{x : <g_j, x> >= 0 for all j}`` (so the projection conflicts with no task), and update
+    with the mean of the projections. Each projection is a small quadratic program on the Gram
+    matrix, solved exactly in-graph (:func:`upgrad_weights`); without conflicts the update is
+    the mean gradient (``beta = 1/T``). Heads get weight 1.
+
+    Args:
+        norm_eps: non-negative float, default ``1e-4``: a Gram matrix whose trace is below is
+            treated as zero (``torchjd``'s default).
+        reg_eps: non-negative float, default ``1e-4``: ``reg_eps * I`` is added to the
+            trace-normalised Gram matrix (``torchjd``'s default; ``0`` = the exact projection).
+
+    Example:
+        >>> model.compile("adam", losses, loss_weighting="upgrad")
+
+    Reference:
+        Quinton & Rey, "Jacobian Descent for Multi-Objective Optimization", arXiv:2406.16232,
+        2024 (UPGrad; the ``torchjd`` library's aggregator).
+    """
+
+    name = "upgrad"
+
+    def __init__(self, norm_eps=1e-4, reg_eps=1e-4):
+        super().__init__()
+        self.norm_eps = _utils.check_positive(norm_eps, "norm_eps", allow_zero=True)
+        self.reg_eps = _utils.check_positive(reg_eps, "reg_eps", allow_zero=True)
+
+    def task_weights(self, gram, losses):
+        return _upgrad_weights_xla(gram, self.norm_eps, self.reg_eps)
+
+    def get_config(self):
+        return {"norm_eps": self.norm_eps, "reg_eps": self.reg_eps}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import keras
+import tensorflow as tf
 from keras import ops
 
 from keras_fastloop import _keras_internals as internals
@@ -32,24 +33,38 @@ class UncertaintyWeighting(LossWeighting):
 
     Objective, with one trainable log-variance ``s_i = log sigma_i^2`` per task::
 
-        sum_i exp(-s_i) * L_i + s_i
+        sum_i (exp(-s_i) * L_i + s_i) / 2          (halved=True, the default)
+        sum_i  exp(-s_i) * L_i + s_i               (halved=False)
 
-    This is Kendall et al.'s regression form ``L_i / (2 sigma_i^2) + log sigma_i`` multiplied by
-    2 (the same optimum in ``s`` and in the network's parameters; LibMTL uses the halved form).
-    The factor choice makes ``s = 0`` give weight 1 per task, i.e. ``ew``'s objective at the
-    start, and is used for every task (classification included, as in LibMTL). The optimum for a
-    fixed loss is ``s_i = log L_i``, so the weight ``exp(-s_i)`` tracks ``1 / L_i``.
+    The default is Kendall et al.'s Eq. 7, ``L_i / (2 sigma_i^2) + log sigma_i``, written in
+    ``s_i`` (their "in practice we train ... the log variance"), and is used for every task,
+    classification included, as in LibMTL (the paper's classification form, Eq. 10, drops the
+    1/2 on the loss term). ``halved=False`` is the same objective times 2 (the same optimum in
+    ``s`` and in the network's parameters): ``s = 0`` then gives weight 1 per task, ``ew``'s
+    objective at the start; with Adam-type optimizers the two train alike, with SGD the default
+    halves the effective learning rate. The optimum for a fixed loss is ``s_i = log L_i``, so
+    the weight tracks ``1 / L_i``.
+
+    ``initial_log_variance`` defaults to ``0`` (``sigma = 1``; the paper fixes no initial
+    value). LibMTL starts at ``-0.5`` (weights ``e^0.5 / 2 = 0.82``):
+    ``UncertaintyWeighting(initial_log_variance=-0.5)`` reproduces it.
 
     The ``s_i`` are created with ``model.add_weight(..., trainable=True)`` (name
     ``uw_log_variances``), so they are in ``model.trainable_variables`` and trained by the
     model's optimizer (with its learning rate, clipping and loss scale), saved with the model and
-    restored by checkpoints. The ``+ s_i`` term is divided by the number of replicas like any
+    restored by checkpoints. The ``s_i`` term is divided by the number of replicas like any
     regularization loss, so the gradient summed across replicas is the global one. The logged
-    ``{task}_weight`` is ``exp(-s_i)``; to change the weights mid-``fit`` assign
-    ``log_variances`` (``weights`` only mirrors them, as used by the last step).
+    ``{task}_weight`` is the effective weight ``exp(-s_i) / 2`` (``exp(-s_i)`` when not halved)
+    of the step, before its update of ``s``. ``weights`` is computed from ``log_variances`` when
+    read (a tensor, not a variable): to change the weights mid-``fit`` assign
+    ``log_variances``.
 
     Args:
-        initial_log_variance: float, default ``0.0``: the starting value of every ``s_i``.
+        initial_log_variance: finite float, default ``0.0``: the starting value of every ``s_i``.
+        halved: bool, default ``True``: the paper's ``1/2`` factor (see above).
+
+    Raises:
+        ValueError: a non-finite or non-numeric ``initial_log_variance``, a non-bool ``halved``.
 
     Example:
         >>> model.compile("adam", {"cls": "sparse_categorical_crossentropy",
@@ -62,7 +77,7 @@ class UncertaintyWeighting(LossWeighting):
 
     name = "uw"
 
-    def __init__(self, initial_log_variance=0.0):
+    def __init__(self, initial_log_variance=0.0, halved=True):
         super().__init__()
         if (
             isinstance(initial_log_variance, bool)
@@ -73,29 +88,49 @@ class UncertaintyWeighting(LossWeighting):
                 "`initial_log_variance` must be a finite float. "
                 f"Received: initial_log_variance={initial_log_variance!r}"
             )
+        if not isinstance(halved, bool):
+            raise ValueError(f"`halved` must be a bool. Received: halved={halved!r}")
         self.initial_log_variance = float(initial_log_variance)
+        self.halved = halved
         self.log_variances = None
 
+    @property
+    def weights(self):
+        """``exp(-s) / 2`` (or ``exp(-s)``) from the current ``log_variances``; ``None`` unbuilt."""
+        if self.log_variances is None:
+            return None
+        return self._factor * ops.exp(
+            -ops.cast(ops.convert_to_tensor(self.log_variances), "float32")
+        )
+
+    @weights.setter
+    def weights(self, value):
+        # The base class creates a ``weights`` variable; UW derives its weights instead.
+        del value
+
+    @property
+    def _factor(self):
+        return 0.5 if self.halved else 1.0
+
     def build(self, model, state, task_names, static_weights):
-        super().build(model, state, task_names, static_weights)
+        self.check_tasks(task_names)
+        self.task_names = list(task_names)
         self.log_variances = _model_variable(
             model, "uw_log_variances", (len(task_names),), self.initial_log_variance
         )
 
+    def read_weights(self):
+        return tf.identity(self.weights)
+
     def combine(self, losses):
         s = ops.cast(ops.convert_to_tensor(self.log_variances), "float32")
         precision = ops.exp(-s)
-        regularizer = internals.scale_loss_for_distribution(ops.sum(s))
-        objective = ops.sum(precision * ops.stack(losses)) + regularizer
+        objective = ops.sum(precision * ops.stack(losses)) + internals.scale_loss_for_distribution(
+            ops.sum(s)
+        )
+        if self.halved:
+            return 0.5 * objective, ops.stop_gradient(0.5 * precision)
         return objective, ops.stop_gradient(precision)
 
-    def gradients(self, tape, losses, objective, variables, scale_loss):
-        grads = super().gradients(tape, losses, objective, variables, scale_loss)
-        # Mirror the weights used by this step. Done here, after the backward pass: under
-        # MirroredStrategy an ``only_first_replica`` assignment is a collective, which must not
-        # sit inside the tape's forward pass nor the step's conditional ``update`` branch.
-        self.weights.assign(ops.exp(-ops.cast(self.log_variances, "float32")))
-        return grads
-
     def get_config(self):
-        return {"initial_log_variance": self.initial_log_variance}
+        return {"initial_log_variance": self.initial_log_variance, "halved": self.halved}

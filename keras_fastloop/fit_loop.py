@@ -1,0 +1,294 @@
+"""The one owner of ``OptimizedModel.fit``: arguments, internal callbacks, epoch transforms.
+
+``OptimizedModel.fit``, ``_maybe_symbolic_build`` and ``make_train_function`` delegate here; no
+other module wraps ``fit`` or patches its epoch iterator. Per ``fit`` call this module
+
+1. binds ``fit``'s arguments once (``inspect.signature(keras.Model.fit).bind``);
+2. adds the internal callbacks: those of the registered extensions (:mod:`keras_fastloop.resume`
+   adds the exact-resume callback after each ``BackupAndRestore(save_freq=N)``), then the
+   non-finite monitor of :mod:`keras_fastloop.guards`;
+3. captures ``fit``'s epoch iterator once (Keras hands it to ``_maybe_symbolic_build`` first
+   thing) and replaces its ``_enumerate_iterator`` on that instance only, for the whole ``fit``,
+   by the composition of its transforms, always in this order:
+
+   a. **resume skipping** (first epoch after a mid-epoch resume only): the batches already
+      trained before the crash are read from the data iterator and dropped, without training
+      and without callbacks;
+   b. **execution grouping** (``steps_per_execution="auto"`` only): consecutive one-batch slots
+      of Keras' own generator are joined into one execution of ``k`` steps;
+   c. **step events**: ``k`` never passes the next step event of any callback
+      (:mod:`keras_fastloop.tuning.events`: ``PeriodicValidation``, ``ThroughputMonitor``,
+      ``ProfilerWindow``, ``ModelCheckpoint``/``BackupAndRestore`` with an integer
+      ``save_freq``, any ``steps_until_next_event`` / ``batches_until_next_event`` method) nor
+      the epoch end.
+
+The grouping never reads data ahead of what Keras would: on data of unknown length (a
+``tf.data.Dataset`` of unknown cardinality, after ``filter`` or ``bucket_by_length``) it keeps
+one step per execution, so ``"auto"`` never changes which batch is trained when. The design
+and what Keras 3.15 allows are in ``docs/fit_loop.md``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import numbers
+
+import keras
+
+from keras_fastloop import distributed, guards
+from keras_fastloop.tuning import _glue, events
+
+__all__ = ["FitRun", "current_run", "fit", "register"]
+
+_FIT_SIGNATURE = inspect.signature(keras.Model.fit)
+
+# name -> callable(model, callbacks) -> callbacks: adds an extension's internal callbacks.
+EXTENSIONS = {}
+
+
+def register(name, add_callbacks):
+    """Registers an extension of ``fit`` (called once per ``fit``, in registration order).
+
+    Args:
+        name: string, the extension's name (a second registration replaces the first).
+        add_callbacks: callable ``(model, callbacks) -> callbacks``; ``callbacks`` is what the
+            user passed (``None``, a list or a ``keras.callbacks.CallbackList``).
+    """
+    EXTENSIONS[name] = add_callbacks
+
+
+class FitRun:
+    """What the fit loop knows about one ``fit`` call (untracked model attribute).
+
+    Attributes:
+        callbacks: the flat list of callbacks given to Keras (user's and internal).
+        iterator: ``fit``'s epoch iterator once captured, else ``None``.
+        auto: the model's ``steps_per_execution="auto"`` state when it groups steps, else
+            ``None``.
+        skip: batches at the start of the next epoch that were trained before a resume.
+    """
+
+    def __init__(self, model, callbacks, auto):
+        self.model = model
+        self.callbacks = callbacks
+        self.auto = auto
+        self.iterator = None
+        self.skip = 0
+        self._pending_capture = True
+
+
+def current_run(model):
+    """The :class:`FitRun` of the ``fit`` running on ``model``, or ``None``."""
+    return model.__dict__.get("_fastloop_fit_run")
+
+
+def bind_fit_arguments(model, args, kwargs):
+    """``fit``'s arguments as a dict by name (a ``TypeError`` for arguments ``fit`` lacks)."""
+    arguments = dict(_FIT_SIGNATURE.bind(model, *args, **kwargs).arguments)
+    arguments.pop(next(iter(_FIT_SIGNATURE.parameters)))  # self
+    return arguments
+
+
+def _flatten(callbacks):
+    if callbacks is None:
+        return []
+    if isinstance(callbacks, keras.callbacks.CallbackList):
+        return list(callbacks.callbacks)
+    return list(callbacks)
+
+
+def with_internal_callbacks(model, callbacks):
+    """``callbacks`` plus the weighting's and the extensions' callbacks and the non-finite monitor.
+
+    The weighting's callbacks run first (e.g. DWA closes its epoch window before a
+    checkpointing callback saves the state); the non-finite monitor runs last.
+    """
+    for add_callbacks in EXTENSIONS.values():
+        callbacks = add_callbacks(model, callbacks)
+    monitor = guards.NonFiniteMonitor(getattr(model, "_nonfinite", "skip"))
+    weighting = getattr(model, "_loss_weighting", None)
+    first = weighting.callbacks() if weighting is not None else []
+    if isinstance(callbacks, keras.callbacks.CallbackList):
+        callbacks.callbacks[:0] = first
+        callbacks.append(monitor)
+        return callbacks
+    return [*first, *(callbacks or []), monitor]
+
+
+def fit(model, keras_fit, args, kwargs):
+    """Runs Keras' ``fit`` with the internal callbacks and the epoch transforms in effect.
+
+    Args:
+        model: the ``OptimizedModel``.
+        keras_fit: the bound Keras ``fit`` (``super().fit``).
+        args, kwargs: ``fit``'s positional and keyword arguments.
+
+    Returns:
+        What Keras' ``fit`` returns (the ``History``).
+
+    Raises:
+        TypeError: arguments ``keras.Model.fit`` does not take.
+    """
+    arguments = bind_fit_arguments(model, args, kwargs)
+    arguments["callbacks"] = with_internal_callbacks(model, arguments.get("callbacks"))
+    auto = _glue.auto_state(model)
+    if auto is not None and not _glue.tunable(model):
+        auto = None
+    if auto is not None:
+        auto.executions = []
+        auto.tuner.begin()
+    run = FitRun(model, _flatten(arguments["callbacks"]), auto)
+    previous = current_run(model)
+    object.__setattr__(model, "_fastloop_fit_run", run)  # untracked runtime state
+    try:
+        return keras_fit(**arguments)
+    finally:
+        if previous is None:
+            model.__dict__.pop("_fastloop_fit_run", None)
+        else:
+            object.__setattr__(model, "_fastloop_fit_run", previous)
+        if run.iterator is not None:
+            run.iterator.__dict__.pop("_enumerate_iterator", None)
+        if auto is not None:
+            auto.k = 1
+
+
+def maybe_symbolic_build(model, keras_maybe_symbolic_build, iterator=None, data_batch=None):
+    """``_maybe_symbolic_build``: captures ``fit``'s epoch iterator, then builds.
+
+    Args:
+        model: the model.
+        keras_maybe_symbolic_build: Keras' bound ``super()._maybe_symbolic_build``.
+        iterator: the ``EpochIterator`` Keras passes (``fit``'s first, then ``evaluate``'s).
+        data_batch: a batch, or ``None``.
+    """
+    capture_epoch_iterator(model, iterator)
+    return distributed.maybe_symbolic_build(
+        model, keras_maybe_symbolic_build, iterator=iterator, data_batch=data_batch
+    )
+
+
+def make_train_function(model, keras_make_train_function, force=False):
+    """``make_train_function``: the variable-count train function under ``"auto"``."""
+    return _glue.make_train_function(model, keras_make_train_function, force)
+
+
+def capture_epoch_iterator(model, iterator):
+    """Installs the epoch transforms on ``fit``'s epoch iterator (the first one after ``fit``).
+
+    Args:
+        model: the model.
+        iterator: an ``EpochIterator`` or ``None``.
+
+    Raises:
+        RuntimeError: Keras' ``EpochIterator`` lacks ``_enumerate_iterator`` (a Keras change).
+    """
+    run = current_run(model)
+    if run is None or not run._pending_capture or iterator is None:
+        return
+    run._pending_capture = False
+    if not hasattr(iterator, "_enumerate_iterator"):  # pragma: no cover - Keras changed
+        raise RuntimeError(
+            "keras_fastloop's fit loop relies on Keras' `EpochIterator._enumerate_iterator`, "
+            f"which this Keras version lacks. Received: {type(iterator).__name__}"
+        )
+    run.iterator = iterator
+    original = iterator._enumerate_iterator
+    if run.auto is not None:
+        periods = events.event_periods(run.callbacks, _accumulation(model))
+        if iterator.num_batches:
+            periods.append(int(iterator.num_batches))
+        run.auto.tuner.set_horizon(min(periods) if periods else None)
+
+    def transformed():
+        slots = original()
+        if run.skip:  # a. resume skipping
+            count, run.skip = run.skip, 0
+            slots = _skip_first_batches(slots, count)
+        if run.auto is not None:  # b. + c. grouping up to the next step event
+            slots = _grouped(run, slots)
+        return slots
+
+    iterator._enumerate_iterator = transformed
+
+
+def skip_next_epoch_batches(model, count):
+    """Makes the next epoch of the running ``fit`` start after ``count`` batches (resume).
+
+    Args:
+        model: the model whose ``fit`` is running.
+        count: int >= 0, batches at the epoch start already trained.
+
+    Raises:
+        RuntimeError: no ``fit`` of ``model`` is running or its epoch iterator is unknown.
+    """
+    run = current_run(model)
+    if run is None or run.iterator is None:
+        raise RuntimeError(
+            "Exact mid-epoch resume needs the epoch iterator of a running `fit` of an "
+            f"OptimizedModel. Received: model of type {type(model).__name__}"
+        )
+    run.skip = int(count)
+
+
+def _skip_first_batches(slots, count):
+    """Slots whose first batch index is ``>= count``; earlier ones are read and dropped."""
+    for begin, end, iterator in slots:
+        if begin < count:
+            for _ in range(end - begin + 1):
+                try:
+                    next(iterator)
+                except (StopIteration, _OutOfRange):
+                    break
+            continue
+        yield begin, end, iterator
+
+
+def _accumulation(model):
+    optimizer = getattr(model, "optimizer", None)
+    value = getattr(optimizer, "gradient_accumulation_steps", None)
+    return int(value) if isinstance(value, numbers.Integral) and value > 1 else 1
+
+
+def _grouped(run, slots):
+    """Joins Keras' one-batch slots into executions of ``k`` steps (``"auto"``).
+
+    ``k = tuner.propose(min(batches to the epoch end, batches to the next step event))``; on
+    data of unknown length ``k = 1`` (no batch is read before Keras would read it).
+    """
+    state, model, iterator = run.auto, run.model, run.iterator
+    accumulation = _accumulation(model)
+    read_step = events.reads_optimizer_step(run.callbacks)
+    known_length = iterator.data_adapter.num_batches is not None
+    num_batches = iterator.num_batches
+    pending = None  # (steps, start time, cut short by an event)
+    for begin, end, data_iterator in slots:
+        now = state.clock()
+        if pending is not None and not pending[2]:
+            state.tuner.observe(pending[0], now - pending[1])
+        taken, last, gap = 1, end, None
+        if known_length:
+            limit = num_batches - begin if num_batches else None
+            step = int(keras.ops.convert_to_numpy(model.optimizer.iterations)) if read_step else 0
+            gap = events.batches_until_next_event(run.callbacks, step, begin, accumulation)
+            if gap is not None:
+                limit = gap if limit is None else min(limit, gap)
+            k = state.tuner.propose(limit)
+            while taken < k:
+                try:
+                    _, last, _ = next(slots)
+                except StopIteration:
+                    break
+                taken += 1
+        state.k = taken
+        state.executions.append((begin, taken))
+        pending = (taken, state.clock(), not known_length or (gap is not None and taken >= gap))
+        yield begin, last, data_iterator
+
+
+try:
+    import tensorflow as _tf
+
+    _OutOfRange = _tf.errors.OutOfRangeError
+except ImportError:  # pragma: no cover - the package requires TensorFlow
+    _OutOfRange = StopIteration

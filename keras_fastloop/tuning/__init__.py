@@ -1,0 +1,44 @@
+"""Automatic ``steps_per_execution`` and the one-line recommended setup.
+
+``OptimizedModel.compile(steps_per_execution="auto")`` tunes how many training steps run inside
+one compiled execution while ``fit`` runs (Keras 2 had this; Keras 3 dropped it). The parts:
+
+- :mod:`.tuner`: :class:`StepsPerExecutionTuner`, a pure state machine fed with
+  ``(steps, seconds)`` measurements;
+- :mod:`.events`: the step events every execution ends at (step-gated callbacks);
+- :mod:`._glue`: the compile-time state and the variable-count train function; the grouping of
+  batches into executions is one of the epoch transforms of :mod:`keras_fastloop.fit_loop`;
+- :mod:`.recommended`: :func:`recommended_setup` and :func:`optimize_pipeline`.
+
+The design (what Keras 3.15 allows, the grouping rule, what is not tuned) is in
+``docs/fit_loop.md``.
+"""
+
+from keras_fastloop.tuning._glue import (  # noqa: F401 - used as kf.tuning.<name>
+    make_train_function,
+    resolve_steps_per_execution,
+)
+from keras_fastloop.tuning.events import (  # noqa: F401
+    batches_until_next_event,
+    event_periods,
+    steps_until_next_event,
+)
+from keras_fastloop.tuning.recommended import (
+    RecommendedSetup,
+    optimize_pipeline,
+    recommended_setup,
+)
+from keras_fastloop.tuning.tuner import (  # noqa: F401
+    AUTO,
+    StepsPerExecutionTuner,
+    validate_steps_per_execution,
+)
+
+__all__ = [
+    "StepsPerExecutionTuner",
+    "RecommendedSetup",
+    "recommended_setup",
+    "optimize_pipeline",
+    "validate_steps_per_execution",
+    "steps_until_next_event",
+]

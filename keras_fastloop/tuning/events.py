@@ -1,0 +1,150 @@
+"""Step events: the points between two batches at which a callback must see the model.
+
+An execution of several training steps (``steps_per_execution``) is opaque to callbacks: they
+run before and after it, never inside. Under ``steps_per_execution="auto"`` the fit loop
+(:mod:`keras_fastloop.fit_loop`) therefore ends every execution at the next step event. A
+callback declares its events in one of these ways (all are honoured, the nearest one wins):
+
+- a method ``steps_until_next_event(step) -> int | None``: optimizer steps from ``step``
+  (``optimizer.iterations`` now) to the next step after which it must run;
+- a positive int attribute ``every_n_steps`` or ``log_every_n_steps``: events after every
+  multiple of it in optimizer steps (``PeriodicValidation``, ``ThroughputMonitor``);
+- a method ``batches_until_next_event(batch) -> int | None``: batches, counting the next one to
+  train (index ``batch`` of the epoch), until the next batch after which it must run
+  (``ProfilerWindow``: before its first step and after its last);
+- a positive int attribute ``save_freq`` (``keras.callbacks.ModelCheckpoint``,
+  ``keras.callbacks.BackupAndRestore``): a save after every ``save_freq`` batches, counted by
+  the callback itself.
+
+With the optimizer's ``gradient_accumulation_steps=a`` one optimizer step is ``a`` batches.
+Nested ``callbacks`` lists (those of ``PeriodicValidation``) are not searched: they act at its
+validations.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+__all__ = [
+    "batches_until_next_event",
+    "event_periods",
+    "reads_optimizer_step",
+    "steps_until_next_event",
+]
+
+_STEP_PERIOD_ATTRIBUTES = ("every_n_steps", "log_every_n_steps")
+
+
+def _positive_int(value):
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value > 0
+
+
+def _step_gaps(callback, step):
+    method = getattr(callback, "steps_until_next_event", None)
+    if callable(method):
+        gap = method(step)
+        return [] if gap is None else [max(1, int(gap))]
+    return [
+        int(period) - step % int(period)
+        for period in (getattr(callback, name, None) for name in _STEP_PERIOD_ATTRIBUTES)
+        if _positive_int(period)
+    ]
+
+
+def steps_until_next_event(callbacks, step):
+    """Optimizer steps from ``step`` until the next step a callback must act on.
+
+    Only the step-counted declarations (``steps_until_next_event`` methods, ``every_n_steps``
+    and ``log_every_n_steps`` attributes; see the module docstring) count here.
+
+    Args:
+        callbacks: iterable of ``keras.callbacks.Callback``.
+        step: int, the optimizer step now (``optimizer.iterations``).
+
+    Returns:
+        The smallest number of steps to an event (>= 1), or ``None`` when no callback is
+        step-gated.
+
+    Example:
+        >>> class Every(keras.callbacks.Callback):
+        ...     every_n_steps = 10
+        >>> steps_until_next_event([Every()], 23)
+        7
+    """
+    gaps = [gap for callback in callbacks for gap in _step_gaps(callback, step)]
+    return min(gaps) if gaps else None
+
+
+def _save_gap(callback):
+    save_freq = getattr(callback, "save_freq", None)
+    if not _positive_int(save_freq):
+        return None
+    seen = getattr(callback, "_batches_seen_since_last_saving", None)  # Keras' own counter
+    if not isinstance(seen, numbers.Integral):
+        return None
+    return max(1, int(save_freq) - int(seen))
+
+
+def batches_until_next_event(callbacks, step, batch, accumulation=1):
+    """Batches, counting the next one, until the next step event of any callback.
+
+    Args:
+        callbacks: iterable of ``keras.callbacks.Callback``.
+        step: int, ``optimizer.iterations`` now.
+        batch: int, index in the epoch of the next batch to train.
+        accumulation: int >= 1, batches per optimizer step (the optimizer's
+            ``gradient_accumulation_steps``). Defaults to ``1``.
+
+    Returns:
+        An int >= 1: the next execution may train at most this many batches; or ``None`` when
+        no callback declares an event.
+    """
+    gaps = []
+    for callback in callbacks:
+        gaps += [gap * accumulation for gap in _step_gaps(callback, step)]
+        method = getattr(callback, "batches_until_next_event", None)
+        if callable(method):
+            gap = method(batch)
+            if gap is not None:
+                gaps.append(max(1, int(gap)))
+        gap = _save_gap(callback)
+        if gap is not None:
+            gaps.append(gap)
+    return min(gaps) if gaps else None
+
+
+def event_periods(callbacks, accumulation=1):
+    """The periods, in batches, of the callbacks' periodic events (step periods and save_freq).
+
+    Args:
+        callbacks: iterable of ``keras.callbacks.Callback``.
+        accumulation: int >= 1, batches per optimizer step. Defaults to ``1``.
+
+    Returns:
+        A list of ints >= 1 (empty when no callback has a periodic event).
+    """
+    periods = []
+    for callback in callbacks:
+        for name in _STEP_PERIOD_ATTRIBUTES:
+            period = getattr(callback, name, None)
+            if _positive_int(period):
+                periods.append(int(period) * accumulation)
+        if _positive_int(getattr(callback, "save_freq", None)):
+            periods.append(int(callback.save_freq))
+    return periods
+
+
+def reads_optimizer_step(callbacks):
+    """Whether any callback declares step-counted events (then ``optimizer.iterations`` is read).
+
+    Args:
+        callbacks: iterable of ``keras.callbacks.Callback``.
+
+    Returns:
+        bool.
+    """
+    return any(
+        callable(getattr(callback, "steps_until_next_event", None))
+        or any(_positive_int(getattr(callback, name, None)) for name in _STEP_PERIOD_ATTRIBUTES)
+        for callback in callbacks
+    )

@@ -1,0 +1,173 @@
+"""The one-line recommended setup: precision for the hardware, ``"auto"`` steps, a tf.data pipeline.
+
+Reference: TensorFlow guide "Better performance with the tf.data API" (2019-) for the pipeline.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+
+import keras
+import tensorflow as tf
+
+from keras_fastloop.tuning.tuner import AUTO
+
+__all__ = ["RecommendedSetup", "optimize_pipeline", "recommended_setup"]
+
+
+def optimize_pipeline(dataset, cache=False):
+    """A tf.data pipeline that overlaps input work with training.
+
+    Turns on tf.data's autotuning and parallel/fused map optimizations, optionally caches the
+    (already batched) elements in memory, and ends with ``prefetch(tf.data.AUTOTUNE)``. The
+    element order is unchanged (``deterministic`` stays on).
+
+    Args:
+        dataset: a ``tf.data.Dataset`` of batches.
+        cache: bool, cache the elements in memory after the first pass (only for data sets that
+            fit in memory and whose elements do not change between epochs; shuffling before
+            batching would be frozen). Defaults to ``False``.
+
+    Returns:
+        The ``tf.data.Dataset`` to pass to ``fit``.
+
+    Raises:
+        TypeError: if ``dataset`` is not a ``tf.data.Dataset``.
+
+    Example:
+        >>> ds = tf.data.Dataset.range(8).batch(4)
+        >>> [b.numpy().tolist() for b in optimize_pipeline(ds)]
+        [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+    Reference: TensorFlow guide "Better performance with the tf.data API".
+    """
+    if not isinstance(dataset, tf.data.Dataset):
+        raise TypeError(
+            f"`dataset` must be a tf.data.Dataset. Received: dataset={type(dataset).__name__}"
+        )
+    options = tf.data.Options()
+    options.autotune.enabled = True
+    options.experimental_optimization.map_parallelization = True
+    options.experimental_optimization.parallel_batch = True
+    dataset = dataset.with_options(options)
+    if cache:
+        dataset = dataset.cache()
+    return dataset.prefetch(tf.data.AUTOTUNE)
+
+
+@dataclasses.dataclass
+class RecommendedSetup:
+    """What :func:`recommended_setup` chose; spread ``compile_kwargs`` into ``compile``.
+
+    Args:
+        policy: string, the global dtype policy now set.
+        policy_choice: the ``keras_fastloop.mixed_precision.PolicyChoice`` behind it.
+        steps_per_execution: ``"auto"`` (the compile argument). Defaults to ``"auto"``.
+    """
+
+    policy: str
+    policy_choice: object
+    steps_per_execution: object = AUTO
+
+    @property
+    def compile_kwargs(self):
+        """Keyword arguments for ``OptimizedModel.compile``: ``{"steps_per_execution": ...}``."""
+        return {"steps_per_execution": self.steps_per_execution}
+
+    def pipeline(self, dataset, cache=False):
+        """The dataset through :func:`optimize_pipeline`."""
+        return optimize_pipeline(dataset, cache=cache)
+
+    def summary(self):
+        """One line: what was chosen, why, and how to undo it."""
+        choice = self.policy_choice
+        if choice.confirmed and choice.speedup is not None:
+            why = f"timed on your model: {choice.recommended} {choice.speedup:.2f}x float32's speed"
+            if self.policy != choice.recommended:
+                why += " (too little gain: kept float32)"
+        else:
+            why = f"hardware rule: {choice.recommended}"
+        return (
+            f"keras_fastloop.recommended_setup: dtype policy {self.policy!r} ({why}); "
+            f"compile(**setup.compile_kwargs) adds steps_per_execution="
+            f"{self.steps_per_execution!r}. Undo: keras.config.set_dtype_policy('float32')."
+        )
+
+
+def recommended_setup(
+    model_fn: Callable[[], keras.Model] | None = None,
+    data=None,
+    *,
+    min_speedup: float = 1.05,
+    steps: int = 5,
+    hardware=None,
+    timer: Callable[[], float] = time.perf_counter,
+    verbose: bool = True,
+) -> RecommendedSetup:
+    """Turns on the recommended fast setup for the next models: one line, before building them.
+
+    1. Precision: sets the global dtype policy chosen for the hardware by
+       ``keras_fastloop.mixed_precision`` (``mixed_bfloat16`` on GPUs of compute capability
+       >= 8.0 and CPUs with AVX512_BF16/AMX, ``mixed_float16`` on 7.x GPUs, else float32). With
+       ``model_fn`` and ``data`` the choice is timed against float32 on the user's model and the
+       mixed policy is kept only if it is faster by more than ``min_speedup``; otherwise float32
+       stays (never slower than plain precision, by measurement). Without them the hardware
+       rule alone decides.
+    2. ``steps_per_execution="auto"`` for ``compile`` (see ``docs/fit_loop.md``): it starts
+       at 1 (Keras' default) and grows only while measured throughput improves, so it falls back
+       to 1 when larger counts do not pay.
+    3. :meth:`RecommendedSetup.pipeline`: prefetch/autotune for a tf.data input.
+
+    Call it before building the model (layers take the policy when they are created). The
+    model's output layers that feed losses should be float32 (``dtype="float32"`` or
+    ``keras_fastloop.mixed_precision.Float32Output``); ``check_output_dtypes`` names offenders.
+
+    Args:
+        model_fn: callable with no arguments returning a compiled model, or ``None``. Defaults
+            to ``None``.
+        data: one batch ``(x, y)`` or a dataset, used with ``model_fn``. Defaults to ``None``.
+        min_speedup: float > 0, required speed-up of the mixed policy. Defaults to ``1.05``.
+        steps: int >= 1, timed steps per candidate policy. Defaults to ``5``.
+        hardware: ``mixed_precision.HardwareInfo`` or ``None`` (this machine). Defaults to
+            ``None``.
+        timer: callable returning seconds. Defaults to ``time.perf_counter``.
+        verbose: bool, print :meth:`RecommendedSetup.summary` (what was chosen, why, how to
+            undo it). Defaults to ``True``.
+
+    Returns:
+        A :class:`RecommendedSetup`.
+
+    Raises:
+        ValueError: ``model_fn`` given without ``data`` (or the reverse), or as
+            ``mixed_precision.set_recommended_policy``; a non-bool ``verbose``.
+
+    Example:
+        >>> setup = recommended_setup()          # before building the model
+        >>> model = OptimizedModel(inputs, outputs)             # doctest: +SKIP
+        >>> model.compile("adam", "mse", **setup.compile_kwargs)  # doctest: +SKIP
+        >>> model.fit(setup.pipeline(train_ds), epochs=3)        # doctest: +SKIP
+    """
+    from keras_fastloop import mixed_precision
+
+    if not isinstance(verbose, bool):
+        raise ValueError(f"`verbose` must be a bool. Received: verbose={verbose!r}")
+    if (model_fn is None) != (data is None):
+        raise ValueError(
+            "`model_fn` and `data` go together (the policy is timed on the model with one "
+            f"batch). Received: model_fn={model_fn!r}, data={'None' if data is None else 'given'}"
+        )
+    choice = mixed_precision.set_recommended_policy(
+        model_fn,
+        data,
+        confirm=model_fn is not None,
+        steps=steps,
+        min_speedup=min_speedup,
+        hardware=hardware,
+        timer=timer,
+    )
+    setup = RecommendedSetup(policy=choice.policy, policy_choice=choice)
+    if verbose:
+        print(setup.summary())
+    return setup

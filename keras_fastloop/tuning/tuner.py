@@ -1,0 +1,311 @@
+"""The pure ``steps_per_execution`` tuner: a state machine fed with ``(steps, seconds)``.
+
+It knows no clock and no model, so tests drive it with made-up numbers. How ``fit`` uses it is in
+:mod:`keras_fastloop.fit_loop` and ``docs/fit_loop.md``.
+
+Reference: Keras 2.13 ``keras/utils/steps_per_execution_tuning.py`` (the runtime tuner Keras 3
+dropped).
+"""
+
+from __future__ import annotations
+
+import numbers
+import statistics
+
+__all__ = ["AUTO", "StepsPerExecutionTuner", "validate_steps_per_execution"]
+
+AUTO = "auto"
+
+
+def validate_steps_per_execution(value):
+    """Checks a ``steps_per_execution`` argument.
+
+    Args:
+        value: ``"auto"`` or a positive int.
+
+    Returns:
+        The value, unchanged (a Python int or ``"auto"``).
+
+    Raises:
+        ValueError: if it is neither ``"auto"`` nor a positive int.
+
+    Example:
+        >>> validate_steps_per_execution("auto")
+        'auto'
+    """
+    if value == AUTO and isinstance(value, str):
+        return value
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 1:
+        return int(value)
+    raise ValueError(
+        '`steps_per_execution` must be "auto" or a positive integer. '
+        f"Received: steps_per_execution={value!r}"
+    )
+
+
+class StepsPerExecutionTuner:
+    """Chooses the number of steps per execution from measured step throughput.
+
+    A pure state machine: :meth:`propose` says how many steps the next execution should run,
+    :meth:`observe` receives how many steps the finished execution ran and how long it took.
+
+    The first ``warmup_executions`` observations after :meth:`begin` (each ``fit``) are dropped:
+    they include tracing. Phases:
+
+    - ``"probing"``: the candidate starts at ``initial`` and is measured over ``window``
+      executions of exactly ``candidate`` steps (median of steps/second). If it beats the best
+      rate so far by more than ``min_gain`` (a fraction) it becomes the best and the candidate
+      grows by ``growth_factor``; after ``patience`` candidates in a row that do not pay, or
+      when the next candidate would pass the cap (``max_steps`` and the horizon set with
+      :meth:`set_horizon`) or one execution already takes ``max_seconds_per_execution``, it
+      settles on the best. Observations of other step counts (executions cut short by an event
+      or an epoch end) are not measurements of the candidate; after ``4 * window`` of them in a
+      row it settles on the best so far.
+    - ``"settled"``: it keeps measuring the chosen count in windows; when ``drift_windows``
+      windows in a row differ from the rate it settled with by more than ``drift_tolerance``
+      (a fraction), it probes again from ``chosen // growth_factor`` (at least ``initial``).
+
+    Args:
+        initial: int >= 1, the first candidate. Defaults to ``1``.
+        max_steps: int >= initial, the largest count ever proposed. Defaults to ``64``.
+        growth_factor: int >= 2, candidate multiplier. Defaults to ``2``.
+        min_gain: float >= 0, relative throughput gain a larger count must bring.
+            Defaults to ``0.05``.
+        window: int >= 1, executions per measurement. Defaults to ``3``.
+        warmup_executions: int >= 0, observations dropped after :meth:`begin`. Defaults to
+            ``1``.
+        patience: int >= 1, non-paying candidates in a row before settling. Defaults to ``2``
+            (one noisy window on a shared machine does not end the search).
+        drift_tolerance: float > 0, relative change of the settled rate that counts as drift.
+            Defaults to ``0.3``.
+        drift_windows: int >= 1, drifting windows in a row that trigger re-tuning. Defaults to
+            ``2``.
+        max_seconds_per_execution: float > 0, no growth once an execution takes this long
+            (keeps progress and interrupts responsive). Defaults to ``1.0``.
+
+    Raises:
+        ValueError: an argument out of range.
+
+    Example:
+        >>> tuner = StepsPerExecutionTuner(warmup_executions=0, window=1)
+        >>> tuner.propose()
+        1
+        >>> tuner.observe(1, 0.010)           # 100 steps/s at k=1
+        >>> tuner.propose()
+        2
+        >>> tuner.observe(2, 0.010)           # 200 steps/s at k=2: pays, grow
+        >>> tuner.propose()
+        4
+
+    Reference: Keras 2.13 ``StepsPerExecutionTuner`` (grow while the rate improves).
+    """
+
+    def __init__(
+        self,
+        initial=1,
+        max_steps=64,
+        growth_factor=2,
+        min_gain=0.05,
+        window=3,
+        warmup_executions=1,
+        patience=2,
+        drift_tolerance=0.3,
+        drift_windows=2,
+        max_seconds_per_execution=1.0,
+    ):
+        def need(ok, name, value, what):
+            if not ok:
+                raise ValueError(f"`{name}` must be {what}. Received: {name}={value!r}")
+
+        def is_int(v, low):
+            return isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= low
+
+        need(is_int(initial, 1), "initial", initial, "an int >= 1")
+        need(
+            is_int(max_steps, 1) and max_steps >= initial,
+            "max_steps",
+            max_steps,
+            f"an int >= initial ({initial})",
+        )
+        need(is_int(growth_factor, 2), "growth_factor", growth_factor, "an int >= 2")
+        need(
+            isinstance(min_gain, numbers.Real) and min_gain >= 0,
+            "min_gain",
+            min_gain,
+            "a number >= 0",
+        )
+        need(is_int(window, 1), "window", window, "an int >= 1")
+        need(is_int(warmup_executions, 0), "warmup_executions", warmup_executions, "an int >= 0")
+        need(is_int(patience, 1), "patience", patience, "an int >= 1")
+        need(
+            isinstance(drift_tolerance, numbers.Real) and drift_tolerance > 0,
+            "drift_tolerance",
+            drift_tolerance,
+            "a number > 0",
+        )
+        need(is_int(drift_windows, 1), "drift_windows", drift_windows, "an int >= 1")
+        need(
+            isinstance(max_seconds_per_execution, numbers.Real) and max_seconds_per_execution > 0,
+            "max_seconds_per_execution",
+            max_seconds_per_execution,
+            "a number > 0",
+        )
+        self.initial = int(initial)
+        self.max_steps = int(max_steps)
+        self.growth_factor = int(growth_factor)
+        self.min_gain = float(min_gain)
+        self.window = int(window)
+        self.warmup_executions = int(warmup_executions)
+        self.patience = int(patience)
+        self.drift_tolerance = float(drift_tolerance)
+        self.drift_windows = int(drift_windows)
+        self.max_seconds_per_execution = float(max_seconds_per_execution)
+        self.horizon = None
+        self.phase = "probing"
+        self.candidate = self.initial
+        self.best_steps = self.initial
+        self.best_rate = None
+        self.reference_rate = None
+        self.history = []  # (phase, steps, median steps/s) per finished window; "retune"/"settle"
+        self._warmup_left = self.warmup_executions
+        self._rates = []
+        self._seconds = []
+        self._misses = 0
+        self._off_size = 0
+        self._drifts = 0
+        self.begin()
+
+    # -- inputs ----------------------------------------------------------------------------
+
+    def begin(self):
+        """Starts a new ``fit``: the next ``warmup_executions`` observations are dropped.
+
+        Whatever was learned (the settled count) is kept.
+        """
+        self._warmup_left = self.warmup_executions
+        self._rates, self._seconds = [], []
+        self._off_size = 0
+
+    def set_horizon(self, horizon):
+        """Caps every proposal at ``horizon`` steps (e.g. the period of a step-gated callback).
+
+        Args:
+            horizon: int >= 1 or ``None`` (no cap besides ``max_steps``).
+        """
+        self.horizon = None if horizon is None else max(1, int(horizon))
+        cap = self.cap
+        if self.candidate > cap:
+            self.candidate = cap
+        if self.best_steps > cap:
+            self.best_steps = cap
+
+    @property
+    def cap(self):
+        """The largest count the tuner may propose: ``max_steps`` and the horizon."""
+        return self.max_steps if self.horizon is None else min(self.max_steps, self.horizon)
+
+    @property
+    def steps(self):
+        """The count the tuner wants now (the candidate while probing, the choice when settled)."""
+        return self.candidate
+
+    def propose(self, limit=None):
+        """The number of steps the next execution should run.
+
+        Args:
+            limit: int >= 1 or ``None``: steps left before the next event or epoch end.
+
+        Returns:
+            ``min(current count, cap, limit)``, at least 1.
+        """
+        k = min(self.candidate, self.cap)
+        if limit is not None:
+            k = min(k, int(limit))
+        return max(1, k)
+
+    def observe(self, steps, seconds):
+        """Feeds the measurement of one finished execution.
+
+        Args:
+            steps: int, steps the execution ran.
+            seconds: float, its wall time (training plus the per-execution overhead: callbacks,
+                dispatch).
+        """
+        if self._warmup_left > 0:
+            self._warmup_left -= 1
+            return
+        if steps != self.candidate or not seconds > 0:
+            self._off_size += 1
+            if self.phase == "probing" and self._off_size >= 4 * self.window:
+                self._settle(reason="candidate cannot run in full")
+            return
+        self._off_size = 0
+        self._rates.append(steps / seconds)
+        self._seconds.append(seconds)
+        if len(self._rates) < self.window:
+            return
+        rate = statistics.median(self._rates)
+        seconds_per_execution = statistics.median(self._seconds)
+        self._rates, self._seconds = [], []
+        self.history.append((self.phase, steps, rate))
+        if self.phase == "probing":
+            self._probe_decision(rate, seconds_per_execution)
+        else:
+            self._drift_check(rate)
+
+    # -- decisions --------------------------------------------------------------------------
+
+    def _probe_decision(self, rate, seconds_per_execution):
+        if self.best_rate is None or rate > self.best_rate * (1.0 + self.min_gain):
+            self.best_steps, self.best_rate = self.candidate, rate
+            self._misses = 0
+        else:
+            self._misses += 1
+            if self._misses >= self.patience:
+                self._settle(reason="no gain")
+                return
+        grown = min(self.candidate * self.growth_factor, self.cap)
+        if grown <= self.candidate or seconds_per_execution >= self.max_seconds_per_execution:
+            self._settle(reason="bound")
+            return
+        self.candidate = grown
+
+    def _settle(self, reason):
+        self.phase = "settled"
+        self.candidate = min(self.best_steps, self.cap)
+        self.reference_rate = self.best_rate
+        self._drifts = 0
+        self._misses = 0
+        self._off_size = 0
+        self.history.append(("settle", self.candidate, reason))
+
+    def _drift_check(self, rate):
+        if self.reference_rate is None:
+            self.reference_rate = rate
+            return
+        if abs(rate / self.reference_rate - 1.0) > self.drift_tolerance:
+            self._drifts += 1
+        else:
+            self._drifts = 0
+        if self._drifts >= self.drift_windows:
+            self.history.append(("retune", self.candidate, rate))
+            self.phase = "probing"
+            self.candidate = max(self.initial, self.candidate // self.growth_factor)
+            self.best_steps, self.best_rate = self.candidate, None
+            self._drifts = 0
+            self._misses = 0
+
+    def get_config(self):
+        """The constructor arguments, as a dict."""
+        return {
+            "initial": self.initial,
+            "max_steps": self.max_steps,
+            "growth_factor": self.growth_factor,
+            "min_gain": self.min_gain,
+            "window": self.window,
+            "warmup_executions": self.warmup_executions,
+            "patience": self.patience,
+            "drift_tolerance": self.drift_tolerance,
+            "drift_windows": self.drift_windows,
+            "max_seconds_per_execution": self.max_seconds_per_execution,
+        }
