@@ -29,11 +29,15 @@ class StepResult:
             ``compute_loss`` did not call the default one).
         weights: float32 ``(T,)`` weights the weighting method used, or ``None``.
         objective: the weighting method's own objective (what was differentiated), or ``None``.
-        batch_size: int32 scalar, samples in the batch (the trackers' sample weight).
+        batch_size: int32 scalar, samples in the *global* batch (the trackers' sample weight:
+            the replicas' tracker updates then add up to the 1-replica epoch mean).
         update_metrics: records the compiled metrics for this batch (called only when the
             update is applied).
         undo_metrics: restores the compiled metrics when they were already updated (micro-batches)
             and the update is skipped; ``None`` when nothing needs undoing.
+        global_losses: ``[loss, *task_losses]`` of the global batch when already all-reduced
+            (the plain path under ``tf.distribute``, keras_fastloop.loss_shares); ``None``: the
+            step sums the per-replica values itself.
     """
 
     grads: list
@@ -44,6 +48,7 @@ class StepResult:
     batch_size: object
     update_metrics: Callable[[], None]
     undo_metrics: Callable[[], None] | None = None
+    global_losses: list | None = None
 
 
 class LastValue(keras.metrics.Metric):

@@ -8,11 +8,18 @@ smaller), runs forward and backward on one micro-batch at a time inside a ``tf.w
 gradients in loop variables. The step then does everything else once: cross-replica sum,
 unscale, finite check, clipping and a single ``optimizer.apply``.
 
+**Batch smaller than ``micro_batch_size``.** Not an error: the batch runs as one micro-batch,
+which is exact but saves no memory. A ``UserWarning`` says so once per ``compile``: while the
+step is traced when the batch size is static, else (batch dimension unknown while tracing) at
+the end of the first epoch in which no batch was larger than ``micro_batch_size``
+(:class:`BatchSizeMonitor`; a smaller *last* batch is routine and never warns).
+
 **Weighting (why the sum equals the full batch).** A Keras loss with reduction
 ``"sum_over_batch_size"`` or ``"mean_with_sample_weight"`` is a ratio ``L = N / D``: ``N`` sums
 the (sample-weighted, masked) loss elements, ``D`` counts elements (``sum_over_batch_size``
 without mask), unmasked elements (with a Keras mask on the prediction) or sums sample weights
-(``mean_with_sample_weight``). Both are sums over samples, so for micro-batch ``m``::
+(``mean_with_sample_weight``). Both are sums over samples (:mod:`keras_fastloop.loss_shares`
+holds the rule, shared with the replicas), so for micro-batch ``m``::
 
     L_full = N / D = sum_m (D_m / D) * (N_m / D_m) = sum_m share_m * L_m
 
@@ -33,6 +40,14 @@ PR#34191 fixed). The shares are exact, per task:
   (a ``"sum"``-reduced probe loss on a tensor of ones), so mask and sample-weight broadcasting
   follow Keras exactly.
 - ``reduction=None``/``"none"``: rejected (the step needs a scalar loss).
+
+**Replicas.** Under ``tf.distribute`` the shares above are of the replica's own batch; each
+replica's loss is then weighted by its share ``R * D_r / D`` of the *global* denominator
+(:func:`keras_fastloop.loss_shares.sync_replicas`, one small all-reduce before the loop), so a
+micro-batch's weight is ``R * D_m / D`` and 1 and ``R`` replicas agree for any split of the
+global batch. A weighting that is not affine in the losses (FAMO) takes ``df/dL`` at each
+replica's own losses here (the plain path uses the global ones): an approximation, like the
+micro-batches' own.
 
 Regularization losses (``model.losses``: activity regularizers, which Keras divides by the
 micro-batch's size, ``add_loss`` terms and weight regularizers) are weighted by ``n_m / n``, so
@@ -65,15 +80,15 @@ Not equivalent by construction: layers whose output depends on the other samples
 from __future__ import annotations
 
 import numbers
+import warnings
 
 import keras
 import tensorflow as tf
 from keras import ops
 
 from keras_fastloop import _keras_internals as internals
+from keras_fastloop import fit_loop, loss_shares
 from keras_fastloop._step import StepResult
-
-_DIVIDING_REDUCTIONS = ("sum_over_batch_size", "mean", "mean_with_sample_weight")
 
 
 def validate_micro_batch_size(micro_batch_size):
@@ -106,20 +121,74 @@ def validate_micro_batch_size(micro_batch_size):
     return int(micro_batch_size)
 
 
-class _CountProbe(keras.losses.Loss):
-    """``"sum"``-reduced loss of ones: Keras' own count of a loss's (weighted, unmasked) elements.
+def _warn_small_batch(model, samples):
+    """Warn once per model that a batch held fewer samples than ``micro_batch_size``."""
+    if model.__dict__.get("_fastloop_warned_small_batch"):
+        return
+    object.__setattr__(model, "_fastloop_warned_small_batch", True)
+    warnings.warn(
+        f"The (per-replica) batch has fewer samples ({samples}) than `micro_batch_size` "
+        f"({model._micro_batch_size}): each batch runs as one micro-batch, so no memory is "
+        "saved (training stays exact). Use a larger batch or a smaller `micro_batch_size`. "
+        f"Received: micro_batch_size={model._micro_batch_size}",
+        stacklevel=2,
+    )
 
-    Called like the task's loss, it returns ``sum(ones * sample_weight * mask)`` with Keras'
-    broadcasting rules — the denominator of the task's loss, up to a factor that is the same
-    for every micro-batch.
+
+def largest_batch_variable():
+    """Untracked (never saved) float32 variable: the largest per-replica batch trained so far.
+
+    Created by ``compile(micro_batch_size=...)`` under the caller's scope; read at epoch ends
+    by :class:`BatchSizeMonitor`.
     """
+    return keras.Variable(
+        0.0,
+        dtype="float32",
+        trainable=False,
+        aggregation="only_first_replica",
+        name="micro_batch_largest_batch",
+    )
 
-    def __init__(self, inner):
-        super().__init__(name="count_probe", reduction="sum", dtype=inner.dtype)
-        self._inner = inner
 
-    def call(self, y_true, y_pred):
-        return ops.ones_like(self._inner.call(y_true, y_pred))
+class BatchSizeMonitor(keras.callbacks.Callback):
+    """Internal callback of ``fit`` with ``micro_batch_size``: warns once when no batch was
+    larger than ``micro_batch_size`` (checked at epoch ends, so a smaller last batch, which is
+    routine, never warns, and batch callbacks stay asynchronous)."""
+
+    def on_epoch_end(self, epoch, logs=None):
+        model = self.model
+        variable = model.__dict__.get("_fastloop_largest_batch")
+        if variable is None or model.__dict__.get("_fastloop_warned_small_batch"):
+            return
+        largest = int(variable.numpy())
+        if 0 < largest < model._micro_batch_size:
+            _warn_small_batch(model, largest)
+
+
+def _with_batch_size_monitor(model, callbacks):
+    """``fit`` extension: adds :class:`BatchSizeMonitor` when ``micro_batch_size`` is set."""
+    if not getattr(model, "_micro_batch_size", None):
+        return callbacks
+    monitor = BatchSizeMonitor()
+    if isinstance(callbacks, keras.callbacks.CallbackList):
+        callbacks.append(monitor)
+        return callbacks
+    return [*(callbacks or []), monitor]
+
+
+fit_loop.register("micro_batch_size", _with_batch_size_monitor)
+
+
+def _track_batch_size(model, n, k):
+    """Trace-time warning when the batch size is static, else record it for the monitor."""
+    static = tf.get_static_value(n)
+    if static is not None:
+        if int(static) < k:
+            _warn_small_batch(model, int(static))
+        return
+    variable = model.__dict__.get("_fastloop_largest_batch")
+    if variable is not None:
+        variable.assign(ops.maximum(variable, ops.cast(n, "float32")))
 
 
 def _first_tensor(structure):
@@ -168,20 +237,22 @@ def _detect_masks(model, x, y, sample_weight):
     tasks and the weighting were built by Keras' symbolic build before training).
 
     Returns:
-        A list of bools, one per task.
+        ``(masked, reductions)``: per task, whether its prediction carries a mask, and its
+        loss' reduction.
     """
     found = {}
 
     def scratch(x_spec, y_spec, sw_spec):
         y_pred = _call(model, x_spec, training=False)
         terms = model._compile_loss.evaluate(y_spec, y_pred, sw_spec)
-        found["masked"] = [internals.get_keras_mask(t.y_pred) is not None for t in terms]
+        found["masked"] = [loss_shares.is_masked(t) for t in terms]
+        found["reductions"] = [_reduction(t) for t in terms]
         return tf.constant(0)
 
     tf.function(scratch, autograph=False).get_concrete_function(
         _spec(x), _spec(y), _spec(sample_weight)
     )
-    return found["masked"]
+    return found["masked"], found["reductions"]
 
 
 def _for_each_micro_batch(n, k, body, carry):
@@ -210,7 +281,7 @@ def _for_each_micro_batch(n, k, body, carry):
 
 def _reduction(term):
     reduction = term.loss_fn.reduction
-    if reduction not in ("sum", *_DIVIDING_REDUCTIONS):
+    if reduction not in ("sum", *loss_shares.DIVIDING_REDUCTIONS):
         raise ValueError(
             "`micro_batch_size` needs every loss to reduce to a scalar (reduction "
             f"'sum_over_batch_size', 'mean', 'mean_with_sample_weight' or 'sum'). Task "
@@ -234,9 +305,8 @@ def _masked_denominators(model, x, y, sample_weight, n, k, masked):
             if not is_masked or _reduction(term) == "sum":
                 counts.append(tf.constant(0.0))
                 continue
-            probe = probes.setdefault(i, _CountProbe(term.loss_fn))
-            sw = term.sample_weight if term.loss_fn.reduction == "mean_with_sample_weight" else None
-            counts.append(ops.cast(probe(term.y_true, term.y_pred, sw), "float32"))
+            probe = probes.setdefault(i, loss_shares.CountProbe(term.loss_fn))
+            counts.append(loss_shares.denominator(term, size, probe))
         return (total + ops.stack(counts),)
 
     num_tasks = len(model._compile_loss.names)
@@ -285,18 +355,23 @@ def _metrics_snapshot(model):
     return compile_metrics.update_state, undo
 
 
-def _share(term, masked, probe, mask_total, weight_total, size, n):
-    """Micro-batch ``m``'s share ``D_m / D`` of the full batch's loss denominator (see above)."""
-    reduction = _reduction(term)
+def _total(reduction, masked, mask_total, weight_total, n):
+    """The (per-replica) batch's denominator ``D`` of one task, ``None`` for ``"sum"``."""
     if reduction == "sum":
-        return tf.constant(1.0)
+        return None
     if masked:
-        sw = term.sample_weight if reduction == "mean_with_sample_weight" else None
-        count = ops.cast(probe(term.y_true, term.y_pred, sw), "float32")
-        return ops.divide_no_nan(count, mask_total)
-    if reduction == "mean_with_sample_weight" and term.sample_weight is not None:
-        return ops.divide_no_nan(ops.sum(ops.cast(term.sample_weight, "float32")), weight_total)
-    return ops.cast(size, "float32") / ops.cast(n, "float32")
+        return mask_total
+    if reduction == "mean_with_sample_weight" and weight_total is not None:
+        return weight_total
+    return ops.cast(n, "float32")
+
+
+def _share(term, probe, total, size):
+    """Micro-batch ``m``'s share ``D_m / D`` of the batch's loss denominator (see above)."""
+    _reduction(term)
+    if total is None:
+        return tf.constant(1.0)
+    return ops.divide_no_nan(loss_shares.denominator(term, size, probe), total)
 
 
 def accumulate(model, x, y, sample_weight, variables, micro_batch_size):
@@ -339,10 +414,13 @@ def accumulate(model, x, y, sample_weight, variables, micro_batch_size):
     if task_loss.names is None or weighting.task_names is None:
         # First trace of a model whose outputs were unknown at compile: build the loss and the
         # weighting (the unused full-batch forward pass is pruned from the graph).
-        model._loss_terms(x, y, _call(model, x, training=False), sample_weight, training=False)
-    masked = _detect_masks(model, x, y, sample_weight)
+        task_loss.evaluate(y, _call(model, x, training=False), sample_weight)
+        model._build_weighting()
+    masked, reductions = _detect_masks(model, x, y, sample_weight)
     num_tasks = len(masked)
-    n = tf.shape(_first_tensor(x), out_type=tf.int32)[0]
+    first = _first_tensor(x)
+    n = tf.shape(first, out_type=tf.int32)[0]
+    _track_batch_size(model, first.shape[0] if first.shape[0] is not None else n, k)
     weight_totals = [
         None if sw is None else ops.sum(ops.cast(sw, "float32"))
         for sw in _task_sample_weights(model, sample_weight)
@@ -351,6 +429,12 @@ def accumulate(model, x, y, sample_weight, variables, micro_batch_size):
         mask_totals, probes = _masked_denominators(model, x, y, sample_weight, n, k, masked)
     else:
         mask_totals, probes = tf.zeros([num_tasks]), {}
+    totals = [
+        _total(reductions[i], masked[i], mask_totals[i], weight_totals[i], n)
+        for i in range(num_tasks)
+    ]
+    # Under tf.distribute: each replica's share R * D_r / D of the global denominators.
+    sync = loss_shares.sync_replicas(totals, n)
     update_metrics, undo_metrics = _metrics_snapshot(model)
     connected = [False] * len(variables)
 
@@ -369,9 +453,7 @@ def accumulate(model, x, y, sample_weight, variables, micro_batch_size):
                         "`micro_batch_size` cannot weight it exactly. "
                         f"Received: micro_batch_size={k}"
                     )
-                share = _share(
-                    term, masked[i], probes.get(i), mask_totals[i], weight_totals[i], size, n
-                )
+                share = _share(term, probes.get(i), totals[i], size) * sync.factors[i]
                 contributions.append(share * term.value)
             losses = [t.value for t in terms]
             with tape.stop_recording():
@@ -422,7 +504,7 @@ def accumulate(model, x, y, sample_weight, variables, micro_batch_size):
         task_losses=losses,
         weights=weights,
         objective=combined,
-        batch_size=n,
+        batch_size=sync.batch_size,
         update_metrics=lambda: None,
         undo_metrics=undo_metrics,
     )

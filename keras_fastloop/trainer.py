@@ -23,7 +23,16 @@ from keras import ops
 
 from keras_fastloop import _keras_internals as internals
 from keras_fastloop import clipping as clipping_module
-from keras_fastloop import distributed, fit_loop, guards, losses, mixed_precision, scaling, tuning
+from keras_fastloop import (
+    distributed,
+    fit_loop,
+    guards,
+    loss_shares,
+    losses,
+    mixed_precision,
+    scaling,
+    tuning,
+)
 from keras_fastloop import micro_batching as micro_batching_module
 from keras_fastloop import resume as _resume  # noqa: F401 - registers exact resume with fit_loop
 from keras_fastloop import weighting as weighting_module
@@ -134,9 +143,12 @@ class OptimizedTrainer:
                 ``LossWeighting`` object.
             shared_variables: optional list of variables that gradient-based weighting methods
                 treat as shared; default: inferred (variables reached by more than one task).
-            micro_batch_size: ``None`` (default) or a positive int: split every batch into
-                micro-batches of this many samples, accumulate their gradients and apply one
-                update, identical to the full batch.
+            micro_batch_size: ``None`` (default) or a positive int: split every (per-replica)
+                batch into micro-batches of this many samples, accumulate their gradients and
+                apply one update, identical to the full batch. A batch with fewer samples runs
+                as one micro-batch (exact, but no memory is saved): a ``UserWarning`` says so
+                once, when the step is traced if the batch size is static, else at the end of
+                the first epoch in which no batch was larger (a smaller last batch never warns).
             nonfinite: what to do with a non-finite gradient: ``"skip"`` (default; skip the
                 whole update on every replica and count it in ``skipped_steps``), ``"raise"``
                 (skip the update, then ``fit``/``train_on_batch`` raise
@@ -228,6 +240,11 @@ class OptimizedTrainer:
         # untracked: Keras would otherwise adopt the listed variables/layers as the model's own
         object.__setattr__(self, "_shared_variables", shared_variables)
         self._micro_batch_size = micro_batch_size
+        object.__setattr__(self, "_fastloop_warned_small_batch", False)
+        if micro_batch_size:  # untracked: the batch-size check of BatchSizeMonitor, never saved
+            object.__setattr__(
+                self, "_fastloop_largest_batch", micro_batching_module.largest_batch_variable()
+            )
         self._nonfinite = nonfinite
         self._warned_unconnected = False
         object.__setattr__(self, "_fastloop_auto_spe", auto_spe)  # untracked runtime state
@@ -341,21 +358,31 @@ class OptimizedTrainer:
         """
         del x, training
         terms, record = [], None
-        if self._compile_loss is not None:
-            task_terms = self._compile_loss.evaluate(y, y_pred, sample_weight)
-            values = [t.value for t in task_terms]
-            self._build_weighting()
-            objective, weights = self._loss_weighting.combine(values)
-            reported = objective
-            if not self._loss_is_objective:
-                static = self._compile_loss.static_weights
-                reported = ops.sum(ops.stack(values) * ops.convert_to_tensor(static, "float32"))
-            record = _LossRecord(task_terms, values, objective, weights, reported)
-            terms.append(objective)
-        terms += [
+        regularization = [
             internals.scale_loss_for_distribution(ops.sum(ops.cast(r, "float32")))
             for r in self.losses
         ]
+        if self._compile_loss is not None:
+            task_terms = self._compile_loss.evaluate(y, y_pred, sample_weight)
+            # Under tf.distribute: the replicas' shares of the global losses (one all-reduce,
+            # which also gives the global batch size and the global losses).
+            regularization_sum = ops.sum(ops.stack(regularization)) if regularization else None
+            values, sync = loss_shares.replica_losses(task_terms, regularization_sum)
+            self._build_weighting()
+            objective, weights = self._loss_weighting.combine(values)
+            reported = objective
+            per_task = weights
+            if not self._loss_is_objective:
+                per_task = ops.convert_to_tensor(self._compile_loss.static_weights, "float32")
+                reported = ops.sum(ops.stack(values) * per_task)
+            record = _LossRecord(task_terms, values, objective, weights, reported, sync.batch_size)
+            if sync.global_losses is not None:  # the step's global losses, no second collective
+                logged = ops.sum(sync.global_losses * per_task)
+                if sync.global_extra is not None:
+                    logged = logged + sync.global_extra
+                record.global_losses = [logged, *tf.unstack(sync.global_losses)]
+            terms.append(objective)
+        terms += regularization
         if not terms:
             raise ValueError("No loss to compute. Provide a `loss` argument in `compile()`.")
         object.__setattr__(self, "_loss_record", record)
@@ -391,7 +418,7 @@ class OptimizedTrainer:
             grads = tape.gradient(
                 scaled, variables, unconnected_gradients=tf.UnconnectedGradients.NONE
             )
-            task_losses = weights = objective = None
+            task_losses = weights = objective = global_losses = None
         else:
             grads = weighting.gradients(
                 tape, record.values, scaled, variables, self.optimizer.scale_loss
@@ -400,8 +427,10 @@ class OptimizedTrainer:
             if weighting.requires_task_gradients:  # weights decided from this step's gradients
                 weights = weighting.read_weights()
             task_losses, objective = record.values, record.objective
+            global_losses = record.global_losses
         del tape
         compile_metrics = self._compile_metrics
+        batch_size = _batch_size(x) if record is None else record.batch_size
 
         def update_metrics():
             if compile_metrics is not None:
@@ -413,8 +442,9 @@ class OptimizedTrainer:
             task_losses=task_losses,
             weights=weights,
             objective=objective,
-            batch_size=ops.shape(next(t for t in tf.nest.flatten(x) if t is not None))[0],
+            batch_size=batch_size,
             update_metrics=update_metrics,
+            global_losses=global_losses,
         )
 
     def _connected(self, grads, variables):
@@ -459,12 +489,14 @@ class OptimizedTrainer:
         # (~1.8e19), which is treated as a divergence too. One check instead of one per variable.
         finite = ops.isfinite(grad_norm)
         # The global-batch losses: the non-finite-loss check (same decision on every replica)
-        # and the weighting's state. Per-replica losses are already divided by the number of
-        # replicas, so their sum is the global mean.
+        # and the weighting's state. Per-replica losses are shares of the global losses
+        # (keras_fastloop.loss_shares), so their sum is the global loss.
         lso = scaling.is_loss_scale_optimizer(self.optimizer)
         needs_global = lso or self._nonfinite != "skip" or self._loss_weighting.has_state_update
         global_losses = None
-        if needs_global:
+        if needs_global and result.global_losses is not None:
+            global_losses = result.global_losses  # from the denominators' all-reduce
+        elif needs_global:
             local = [result.loss] + list(result.task_losses or [])
             global_losses = distributed.all_reduce_sum(local)
         # Under loss scaling an overflow of a finite loss is routine (Keras halves the scale); a
@@ -548,7 +580,7 @@ class OptimizedTrainer:
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         y_pred = self._forward(x, training=False)
         _, logged, record = self._loss_terms(x, y, y_pred, sample_weight, training=False)
-        batch_size = ops.shape(next(t for t in tf.nest.flatten(x) if t is not None))[0]
+        batch_size = _batch_size(x) if record is None else record.batch_size
         self._loss_tracker.update_state(
             internals.unscale_loss_for_distribution(logged), sample_weight=batch_size
         )
@@ -623,9 +655,18 @@ class OptimizedTrainer:
             self.optimizer.build(self.trainable_variables)
 
 
-class _LossRecord:
-    """What the default ``compute_loss`` computed, for the step that called it."""
+def _batch_size(x):
+    return ops.shape(next(t for t in tf.nest.flatten(x) if t is not None))[0]
 
-    def __init__(self, terms, values, objective, weights, reported):
+
+class _LossRecord:
+    """What the default ``compute_loss`` computed, for the step that called it.
+
+    ``batch_size``: the global batch's number of samples (the loss trackers' weight).
+    """
+
+    def __init__(self, terms, values, objective, weights, reported, batch_size):
         self.terms, self.values = terms, values
         self.objective, self.weights, self.reported = objective, weights, reported
+        self.batch_size = batch_size
+        self.global_losses = None  # [logged loss, *task losses] of the global batch (R > 1)

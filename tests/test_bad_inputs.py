@@ -75,13 +75,14 @@ sched_accumulation_0    ValueError  `gradient_accumulation_steps` must be None o
 
 Fixed since the first version of this file (``test_former_gaps_raise_before_training``):
 ``loss_weights`` with NaN, an unknown loss id (now rejected at ``compile``), and
-``UncertaintyWeighting(initial_log_variance=nan)``. Still a known gap (``KNOWN_GAPS``, strict
-xfail: it starts failing when fixed, so the marker must then be removed): a ``micro_batch_size``
-larger than the batch is accepted (the batch size is only known inside ``fit``; the step then
-runs one micro-batch, which is exact). A ``micro_batch_size`` that does not divide the batch is
-*not* an error: the last
-micro-batch is smaller and count-weighted, which micro_batching.py documents as exact.
+``UncertaintyWeighting(initial_log_variance=nan)``. A ``micro_batch_size`` larger than the
+batch is not an error but a warning, once (the step runs the batch as one micro-batch: exact,
+but no memory is saved; ``test_micro_batch_larger_than_batch_warns_once``). A
+``micro_batch_size`` that does not divide the batch is *not* an error: the last micro-batch is
+smaller and count-weighted, which micro_batching.py documents as exact.
 """
+
+import warnings
 
 import keras
 import numpy as np
@@ -493,18 +494,6 @@ def test_bad_input_raises_clear_error(call, error, message):
     assert "Received" in str(info.value)
 
 
-def _fit_micro_batch_larger_than_batch():
-    model = one_output()
-    model.compile("sgd", "mse", micro_batch_size=8)
-    before = [w.copy() for w in model.get_weights()]
-    try:
-        model.fit(np.ones((8, 4)), np.ones((8, 1)), batch_size=4, epochs=1, verbose=0)
-    finally:  # raised before any update
-        assert int(model.optimizer.iterations.numpy()) == 0
-        for a, b in zip(before, model.get_weights()):
-            np.testing.assert_array_equal(a, b)
-
-
 def _compile_nan_loss_weight():
     compile_two(loss_weights={"a": float("nan"), "b": 1.0})
 
@@ -517,24 +506,43 @@ def _uw_nan_initial_log_variance():
     kf.weighting.UncertaintyWeighting(initial_log_variance=float("nan"))
 
 
-KNOWN_GAPS = [
-    (_fit_micro_batch_larger_than_batch, r"micro_batch_size.*Received", "micro_batching.py"),
-]
+def _fit_with_warnings(samples, micro_batch_size, batch_size=4, epochs=2):
+    model = one_output()
+    model.compile(keras.optimizers.SGD(0.1), "mse", micro_batch_size=micro_batch_size)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(samples, 4)).astype("float32")
+    y = rng.normal(size=(samples, 1)).astype("float32")
+    model.set_weights([np.full((4, 1), 0.5, "float32"), np.zeros((1,), "float32")])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0)
+    messages = [str(w.message) for w in caught if "micro_batch_size" in str(w.message)]
+    return messages, model.get_weights()
 
 
 @pytest.mark.parametrize(
-    "call, message",
-    [
-        pytest.param(
-            call, message, marks=pytest.mark.xfail(strict=True, reason=f"not validated ({owner})")
-        )
-        for call, message, owner in KNOWN_GAPS
-    ],
-    ids=[call.__name__.lstrip("_") for call, _, _ in KNOWN_GAPS],
+    "samples", [8, 10], ids=["static_batch_size", "batch_size_known_only_at_run_time"]
 )
-def test_known_gap_should_raise_before_training(call, message):  # noqa: D103
-    with pytest.raises(ValueError, match=message):
-        call()
+def test_micro_batch_larger_than_batch_warns_once(samples):
+    """Not an error: the batch runs as one micro-batch (exact), but no memory is saved.
+
+    With 8 samples and ``batch_size=4`` every batch's size is static: the warning comes when the
+    step is traced. With 10 the last batch is smaller, the batch dimension is unknown while
+    tracing, and the warning comes at the end of the first epoch.
+    """
+    messages, weights = _fit_with_warnings(samples, micro_batch_size=8)
+    assert len(messages) == 1, messages
+    assert "fewer samples (4) than `micro_batch_size` (8)" in messages[0]
+    assert "Received: micro_batch_size=8" in messages[0]
+    _, reference = _fit_with_warnings(samples, micro_batch_size=None)
+    for a, b in zip(weights, reference):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_smaller_last_batch_does_not_warn():
+    """10 samples, batch 4, micro-batches of 3: the last batch (2 samples) is routine."""
+    messages, _ = _fit_with_warnings(10, micro_batch_size=3)
+    assert messages == []
 
 
 def test_micro_batch_not_dividing_the_batch_is_allowed():

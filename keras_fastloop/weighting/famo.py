@@ -6,6 +6,7 @@ import keras
 import tensorflow as tf
 from keras import ops
 
+from keras_fastloop import _keras_internals as internals
 from keras_fastloop.weighting import _utils
 from keras_fastloop.weighting.base import _PACKAGE, LossWeighting
 
@@ -29,8 +30,9 @@ class FAMO(LossWeighting):
     "After" is taken from the next step's losses (a new batch) rather than a second forward pass
     on the same batch, as in LibMTL's training loop: no extra compute, one step of lag. The logged
     ``loss`` is FAMO's log-objective. The Adam state, logits and previous losses live in
-    checkpointed variables. Under ``tf.distribute`` the update uses the first replica's losses
-    (every replica keeps the same state; see ``_utils.update_losses``).
+    checkpointed variables. Under ``tf.distribute`` the objective and the update use the global
+    batch's losses (every replica keeps the same state; see ``_utils.update_losses``), so 1 and
+    ``R`` replicas train alike.
 
     Args:
         w_lr: positive float, default ``0.025``: Adam learning rate of the logits.
@@ -63,9 +65,12 @@ class FAMO(LossWeighting):
 
     def combine(self, losses):
         z = ops.softmax(ops.convert_to_tensor(self.logits))
-        d = ops.stack(losses) + _EPS
+        # Under tf.distribute every replica passes the global losses x 1/R (the step's
+        # loss_shares.global_share): the log is taken of the global losses, and each replica's
+        # objective is its 1/R share of the global one.
+        d = internals.unscale_loss_for_distribution(ops.stack(losses)) + _EPS
         c = ops.stop_gradient(ops.sum(z / d))
-        objective = ops.sum(z * ops.log(d)) / c
+        objective = internals.scale_loss_for_distribution(ops.sum(z * ops.log(d)) / c)
         return objective, ops.stop_gradient(z / (c * d))
 
     def update(self, losses):
