@@ -24,6 +24,8 @@ from collections.abc import Callable, Mapping, Sequence
 import keras
 import tensorflow as tf
 
+from keras_fastloop._warnings import FastloopWarning
+
 __all__ = [
     "GPUInfo",
     "HardwareInfo",
@@ -534,7 +536,7 @@ def check_output_dtypes(model, policy=None, outputs=None, warn: bool = True) -> 
             'layer of each float32 (e.g. `Dense(..., dtype="float32")`) or append '
             "`keras_fastloop.mixed_precision.Float32Output()` / "
             '`keras.layers.Activation("linear", dtype="float32")`.',
-            UserWarning,
+            FastloopWarning,
             stacklevel=2,
         )
     return offending

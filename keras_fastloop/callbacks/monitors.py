@@ -22,6 +22,8 @@ from collections.abc import Callable
 import keras
 import tensorflow as tf
 
+from keras_fastloop._warnings import FastloopWarning
+
 __all__ = ["ThroughputMonitor", "MemoryMonitor", "ProfilerWindow"]
 
 _MIB = float(2**20)
@@ -140,7 +142,7 @@ class ThroughputMonitor(keras.callbacks.Callback):
             warnings.warn(
                 "ThroughputMonitor cannot tell the batch size (no `batch_size` argument and no "
                 "`loss` tracker on the model); only `step_time_ms` will be logged.",
-                UserWarning,
+                FastloopWarning,
                 stacklevel=2,
             )
         self._traced = False
@@ -442,7 +444,7 @@ class ProfilerWindow(keras.callbacks.Callback):
             except Exception as e:  # noqa: BLE001 - e.g. another profiler already running
                 warnings.warn(
                     f"ProfilerWindow could not start the profiler ({e}); no trace recorded.",
-                    UserWarning,
+                    FastloopWarning,
                     stacklevel=2,
                 )
                 self._done = True
@@ -462,7 +464,7 @@ class ProfilerWindow(keras.callbacks.Callback):
             warnings.warn(
                 f"ProfilerWindow: training ended after {self._completed} steps, before "
                 f"start_step={self.start_step}; no trace recorded.",
-                UserWarning,
+                FastloopWarning,
                 stacklevel=2,
             )
 

@@ -31,6 +31,8 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import tensorflow as tf
 
+from keras_fastloop._warnings import FastloopWarning
+
 __all__ = [
     "BucketPlan",
     "apply_bucket_plan",
@@ -310,6 +312,7 @@ def token_budget_batch_sizes(bucket_boundaries, tokens_per_batch):
         warnings.warn(
             f"Buckets with boundaries {over} are longer than tokens_per_batch={tokens_per_batch}; "
             "they get batch size 1 and exceed the token budget.",
+            FastloopWarning,
             stacklevel=2,
         )
     return sizes
@@ -503,6 +506,7 @@ def plan_buckets(
             "The dataset is infinite and `max_length` was not given: the longest sequence is "
             f"estimated from the first {num_boundary_samples} elements; a longer one raises an "
             "InvalidArgumentError at run time. Pass `max_length` to make the bound explicit.",
+            FastloopWarning,
             stacklevel=3,
         )
 
@@ -557,6 +561,7 @@ def plan_buckets(
                 f"Buckets with boundaries {over} are longer than "
                 f"tokens_per_batch={tokens_per_batch}; they get batch size 1 and exceed the "
                 "token budget.",
+                FastloopWarning,
                 stacklevel=3,
             )
     else:
