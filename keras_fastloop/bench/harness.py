@@ -20,6 +20,14 @@ import threading
 import time
 from pathlib import Path
 
+# The article whose claims the bench measures ("the seed"), cited by its title.
+SEED_ARTICLE = (
+    "“TensorFlow 2.x 自定义训练循环实战："
+    "Loss下降速度提升15%的深度优化策略” "
+    "(“TensorFlow 2.x custom training loops in practice: deep optimization strategies that "
+    "make the loss fall 15% faster”)"
+)
+
 
 def machine_description() -> str:
     """CPU model, core count and accelerators, for the report header."""
