@@ -50,24 +50,6 @@ def build_cnn(model_cls=keras.Model, image_size=16, num_classes=10):
     return model_cls(inputs, outputs)
 
 
-class EpochTimer(keras.callbacks.Callback):
-    """Reports each epoch's training loss and training-only time to a harness ``Run``."""
-
-    def __init__(self, run, samples_per_epoch):
-        super().__init__()
-        self.run = run
-        self.samples = samples_per_epoch
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self.t0 = self.t_last = time.perf_counter()
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.t_last = time.perf_counter()
-
-    def on_epoch_end(self, epoch, logs=None):
-        self.run.epoch_done(logs["loss"], self.t_last - self.t0, self.samples)
-
-
 class Data:
     """The digits split as tf.data pipelines, rebuilt identically for every run."""
 
@@ -104,7 +86,7 @@ def fit_contender(data, model_cls=keras.Model, compile_kwargs=None, callbacks=()
             data.train(),
             epochs=run.epochs,
             validation_data=data.val() if validate else None,
-            callbacks=[EpochTimer(run, len(data.x)), *extra],
+            callbacks=[harness.EpochTimer(run, len(data.x)), *extra],
             verbose=0,
         )
         run.finish(model.evaluate(data.val(), verbose=0, return_dict=True)["accuracy"])
@@ -198,7 +180,7 @@ def recommended_contender(data, policy=None):
                 setup.pipeline(data.train()),
                 epochs=run.epochs,
                 validation_data=data.val(),
-                callbacks=[EpochTimer(run, len(data.x))],
+                callbacks=[harness.EpochTimer(run, len(data.x))],
                 verbose=0,
             )
             run.finish(model.evaluate(data.val(), verbose=0, return_dict=True)["accuracy"])

@@ -47,7 +47,6 @@ import tensorflow as tf
 
 from keras_fastloop import mixed_precision
 from keras_fastloop.bench import flops, harness
-from keras_fastloop.bench.default import EpochTimer
 from keras_fastloop.model import OptimizedModel
 
 LEARNING_RATE = 1e-3
@@ -228,7 +227,7 @@ def _contender(profile, config, mixed_policy):
             fit_kwargs = dict(
                 epochs=run.epochs,
                 validation_data=(profile.x_val, profile.y_val),
-                callbacks=[EpochTimer(run, len(profile.x))],
+                callbacks=[harness.EpochTimer(run, len(profile.x))],
                 verbose=0,
             )
             if seed_pipeline:
