@@ -50,7 +50,7 @@ import os
 
 import keras
 
-from keras_fastloop import fit_loop
+from keras_fastloop import _validation, fit_loop
 
 __all__ = ["with_exact_resume"]
 
@@ -67,8 +67,7 @@ def with_exact_resume(model, callbacks):
     return result
 
 
-def _is_int(value):
-    return isinstance(value, int) and not isinstance(value, bool)
+_is_int = _validation.is_int
 
 
 class _MidEpochResume(keras.callbacks.Callback):

@@ -31,6 +31,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import tensorflow as tf
 
+from keras_fastloop import _validation
 from keras_fastloop._warnings import FastloopWarning
 
 __all__ = [
@@ -108,15 +109,33 @@ class BucketPlan:
 # --------------------------------------------------------------------------------------------
 
 
-def _is_int(value):
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+_is_int = _validation.is_int
 
 
 def _check_positive_int(name, value, allow_none=True):
-    if value is None and allow_none:
-        return
-    if not _is_int(value) or value <= 0:
-        raise ValueError(f"`{name}` must be a positive integer. Received: {name}={value!r}")
+    _validation.check_int(
+        name, value, minimum=1, allow_none=allow_none, requirement="a positive integer"
+    )
+
+
+def _element_length_func(element_length_func, length_fn, warn=True):
+    """`element_length_func`, or its deprecated alias `length_fn` (warns); checked callable."""
+    if length_fn is not None:
+        if element_length_func is not None:
+            raise ValueError(
+                "Pass `element_length_func` only (`length_fn` is its deprecated alias). "
+                f"Received: element_length_func={element_length_func!r}, length_fn={length_fn!r}"
+            )
+        if warn:
+            warnings.warn(
+                "`length_fn` is deprecated; use `element_length_func` (tf.data's name).",
+                DeprecationWarning,
+                stacklevel=3,
+            )
+        element_length_func = length_fn
+    if element_length_func is not None and not callable(element_length_func):
+        _validation.fail("element_length_func", "callable or None", element_length_func)
+    return element_length_func
 
 
 def _check_boundaries(bucket_boundaries):
@@ -453,11 +472,13 @@ def plan_buckets(
     bucket_boundaries=None,
     batch_size=None,
     tokens_per_batch=None,
-    length_fn=None,
+    element_length_func=None,
     num_buckets=None,
     num_boundary_samples=_DEFAULT_NUM_BOUNDARY_SAMPLES,
     max_length=None,
     on_overflow="extend",
+    *,
+    length_fn=None,
 ):
     """Resolves bucket boundaries and per-bucket batch sizes for a dataset, without batching.
 
@@ -486,8 +507,7 @@ def plan_buckets(
     _check_on_overflow(on_overflow)
     _check_positive_int("num_boundary_samples", num_boundary_samples, allow_none=False)
     _check_positive_int("max_length", max_length)
-    if length_fn is not None and not callable(length_fn):
-        raise ValueError(f"`length_fn` must be callable or None. Received: length_fn={length_fn!r}")
+    length_fn = _element_length_func(element_length_func, length_fn)
     if bucket_boundaries is not None:
         bounds = _check_boundaries(bucket_boundaries)
         if num_buckets is not None:
@@ -523,7 +543,7 @@ def plan_buckets(
             raise ValueError("`dataset` must not be empty. Received: a dataset with 0 elements")
         if np.any(lengths < 0):
             raise ValueError(
-                f"`length_fn` must return non-negative lengths. Received: a length of "
+                f"`element_length_func` must return non-negative lengths. Received: a length of "
                 f"{int(lengths.min())}"
             )
         longest = int(lengths.max())
@@ -586,7 +606,7 @@ def bucket_by_length(
     bucket_boundaries=None,
     batch_size=None,
     tokens_per_batch=None,
-    length_fn=None,
+    element_length_func=None,
     pad_to_bucket_boundary=True,
     padding_values=None,
     drop_remainder=False,
@@ -597,6 +617,8 @@ def bucket_by_length(
     max_length=None,
     on_overflow="extend",
     prefetch=True,
+    *,
+    length_fn=None,
 ):
     """Groups sequences of similar length into padded batches (`bucket_by_sequence_length`).
 
@@ -620,9 +642,10 @@ def bucket_by_length(
             bucket. Exactly one of `batch_size` and `tokens_per_batch` must be given.
         tokens_per_batch: positive int or None (default). Token budget per padded batch; bucket
             `i` gets `max(1, tokens_per_batch // bucket_boundaries[i])` sequences.
-        length_fn: callable or None (default). Maps one element (the whole element, tuple or
-            dict) to its length as a scalar int tensor. Default: the first-axis length of the
-            first tensor in `x` (in `tf.nest.flatten` order) whose first axis is variable.
+        element_length_func: callable or None (default). Maps one element (the whole element,
+            tuple or dict) to its length as a scalar int tensor, as in tf.data's
+            `bucket_by_sequence_length`. Default: the first-axis length of the first tensor in
+            `x` (in `tf.nest.flatten` order) whose first axis is variable.
         pad_to_bucket_boundary: bool, default True. Pad every variable axis to the bucket
             boundary (bounded number of shapes); if False, pad to the longest in each batch.
         padding_values: scalar, nested structure matching the elements, or None (default:
@@ -646,6 +669,7 @@ def bucket_by_length(
             or raise `ValueError`. A longer sequence that the scan could not see (infinite or
             larger-than-`num_boundary_samples` datasets) fails at run time with an
             `InvalidArgumentError` naming the length and the boundary.
+        length_fn: deprecated alias of `element_length_func` (a `DeprecationWarning`).
         prefetch: bool, default True. Append `prefetch(tf.data.AUTOTUNE)`.
 
     Returns:
@@ -692,7 +716,7 @@ def bucket_by_length(
         bucket_boundaries=bucket_boundaries,
         batch_size=batch_size,
         tokens_per_batch=tokens_per_batch,
-        length_fn=length_fn,
+        element_length_func=_element_length_func(element_length_func, length_fn),
         num_buckets=num_buckets,
         num_boundary_samples=num_boundary_samples,
         max_length=max_length,
@@ -701,7 +725,7 @@ def bucket_by_length(
     return apply_bucket_plan(
         dataset,
         plan,
-        length_fn=length_fn,
+        element_length_func=_element_length_func(element_length_func, length_fn, warn=False),
         pad_to_bucket_boundary=pad_to_bucket_boundary,
         padding_values=padding_values,
         drop_remainder=drop_remainder,
@@ -714,13 +738,15 @@ def bucket_by_length(
 def apply_bucket_plan(
     dataset,
     plan,
-    length_fn=None,
+    element_length_func=None,
     pad_to_bucket_boundary=True,
     padding_values=None,
     drop_remainder=False,
     shuffle_buffer=None,
     seed=None,
     prefetch=True,
+    *,
+    length_fn=None,
 ):
     """Batches a dataset according to a `BucketPlan` (the second half of `bucket_by_length`).
 
@@ -742,6 +768,7 @@ def apply_bucket_plan(
     _check_positive_int("shuffle_buffer", shuffle_buffer)
     _check_not_batched(dataset)
     dataset = _densify_ragged(dataset)
+    length_fn = _element_length_func(element_length_func, length_fn)
     length_fn = length_fn or _default_length_fn(dataset.element_spec)
     bounds = plan.bucket_boundaries
     last = int(bounds[-1])
