@@ -102,11 +102,17 @@ def test_one_report_writer_writes_strict_json_for_numpy_nan(tmp_path):
 
     from keras_fastloop.bench import harness
 
-    payload = {"a": np.float32("nan"), "b": np.array([1.0, np.inf]), "c": np.int64(3)}
+    payload = {
+        "a": np.float32("nan"),
+        "b": np.array([1.0, np.inf]),
+        "c": np.int64(3),
+        "d": [float("nan"), -float("inf")],
+    }
     harness.write_report(tmp_path, "s", "md", payload)
     text = (tmp_path / "s.json").read_text()
     assert json.loads(text, parse_constant=lambda c: pytest.fail(c)) == {
         "a": None,
         "b": [1.0, None],
         "c": 3,
+        "d": [None, None],
     }

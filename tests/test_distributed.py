@@ -6,17 +6,15 @@ replicas), which Keras' own ``global_clipnorm`` does not.
 """
 
 import collections
-import inspect
 
-import conftest
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from _helpers import two_replica_strategy
 
 import keras_fastloop as kf
 from keras_fastloop import distributed
-from keras_fastloop import micro_batching as micro_batching_module
 from keras_fastloop import weighting as weighting_module
 
 pytestmark = pytest.mark.distributed
@@ -31,11 +29,7 @@ def _two_replicas():
     MirroredStrategy objects on the same devices in one process can clash ("Shape mismatch in
     the collective instance") once their collectives differ; tests share one.
     """
-    return conftest.two_replica_strategy()
-
-
-def _micro_batching_implemented():
-    return "raise NotImplementedError" not in inspect.getsource(micro_batching_module.accumulate)
+    return two_replica_strategy()
 
 
 def _data(n=32, nan_at=None):
@@ -116,9 +110,7 @@ def _lso():
 def test_all_features_replica_invariant():
     """Clipping + loss scaling + regularization + sample weights + loss-based weighting + micro-batches."""
     strategy = _two_replicas()
-    kwargs = dict(gradient_clipping=1.0, loss_weighting="loss_ema")
-    if _micro_batching_implemented():
-        kwargs["micro_batch_size"] = 2
+    kwargs = dict(gradient_clipping=1.0, loss_weighting="loss_ema", micro_batch_size=2)
     one = _train(tf.distribute.get_strategy(), optimizer=_lso, **kwargs)
     two = _train(strategy, optimizer=_lso, **kwargs)
     _assert_invariant(one, two)
@@ -130,10 +122,6 @@ def test_all_features_replica_invariant():
     )
 
 
-@pytest.mark.skipif(
-    not _micro_batching_implemented(),
-    reason="keras_fastloop.micro_batching.accumulate is still a NotImplementedError placeholder",
-)
 def test_micro_batching_replica_invariant():
     strategy = _two_replicas()
     one = _train(tf.distribute.get_strategy(), gradient_clipping=1.0, micro_batch_size=3)
@@ -289,11 +277,22 @@ def test_regularization_counted_once_per_global_batch():
 
 
 def _collective_ops(model, dataset):
-    """Cross-replica collective ops in the traced train function, by op type."""
-    model.make_train_function()
-    fn = inspect.getclosurevars(model.train_function).nonlocals["multi_step_on_iterator"]
+    """Cross-replica collective ops in one traced distributed train step.
+
+    The step is traced here, as Keras' train function runs it (`strategy.run(train_step)` in a
+    `tf.function`), not read from a closure variable of Keras' own train function.
+    """
     strategy = model.distribute_strategy
-    graph = fn.get_concrete_function(iter(strategy.experimental_distribute_dataset(dataset))).graph
+    with strategy.scope():
+        model.optimizer.build(model.trainable_variables)
+
+    @tf.function
+    def step(iterator):
+        return strategy.run(model.train_step, args=(next(iterator),))
+
+    graph = step.get_concrete_function(
+        iter(strategy.experimental_distribute_dataset(dataset))
+    ).graph
     counts = collections.Counter()
     seen = set()
 

@@ -150,3 +150,40 @@ def test_no_warning_when_skip_rate_is_low():
         model, _ = train(x, y, "skip")
     assert not [w for w in caught if "were skipped" in str(w.message)]
     assert int(model.skipped_steps.numpy()) == 1
+
+
+# ----------------------------------- faults found by a fresh user (were tests/test_regressions.py)
+
+
+def _fresh_user_mlp():
+    keras.utils.set_random_seed(0)
+    i = keras.Input((8,))
+    return kf.OptimizedModel(
+        i, keras.layers.Dense(3, activation="softmax")(keras.layers.Dense(16, activation="relu")(i))
+    )
+
+
+def _fresh_user_data():
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(64, 8)).astype("float32"), rng.integers(0, 3, 64)
+
+
+def test_terminate_stops_one_fit_only_and_says_so(capsys):
+    x, y = _fresh_user_data()
+    bad = x.copy()
+    bad[20, 3] = np.nan
+    model = _fresh_user_mlp()
+    model.compile("sgd", "sparse_categorical_crossentropy", nonfinite="terminate")
+    model.fit(bad, y, batch_size=16, shuffle=False, verbose=0)
+    assert "terminating training" in capsys.readouterr().out
+    assert int(model.optimizer.iterations.numpy()) == 1
+    model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)  # clean data trains again
+    assert int(model.optimizer.iterations.numpy()) == 1 + 8
+
+
+def test_skip_warning_on_small_epochs():
+    x, y = _fresh_user_data()
+    model = _fresh_user_mlp()
+    model.compile("sgd", lambda yt, yp: keras.ops.mean(yp, axis=-1) * np.nan)
+    with pytest.warns(UserWarning, match="were skipped"):
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0)
