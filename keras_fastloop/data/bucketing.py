@@ -1,24 +1,16 @@
 """Length bucketing for variable-length sequences, on top of tf.data's `bucket_by_sequence_length`.
 
-Boundary semantics (read this first). Here a bucket boundary is the *inclusive* maximum length of
-its bucket, and with `pad_to_bucket_boundary=True` every batch of the bucket is padded to exactly
-that boundary: with `bucket_boundaries=[16, 32]` lengths 0..16 are padded to 16 and lengths 17..32
-to 32. `tf.data.Dataset.bucket_by_sequence_length` itself uses *exclusive* upper bounds (bucket
-`[b_{i-1}, b_i)`), pads to `b_i - 1` and fails with an assertion in the middle of iteration when
-an element has length `>= max(bucket_boundaries)`. This module passes `b + 1` for every
-boundary `b` to tf.data, so the padded shapes are the boundaries the user wrote, and it makes sure
-(at build time) that no element reaches tf.data's last, open-ended bucket: sequences longer than
-the last boundary either get an extra bucket ending at the longest length found
-(`on_overflow="extend"`) or raise a `ValueError` when the dataset is built (`on_overflow="error"`).
+A bucket boundary is the *inclusive* maximum length of its bucket, and with
+`pad_to_bucket_boundary=True` every batch of the bucket is padded to exactly that boundary: with
+`bucket_boundaries=[16, 32]` lengths 0..16 are padded to 16 and lengths 17..32 to 32 (tf.data's
+own boundaries are exclusive). Sequences longer than the last boundary get an extra bucket
+ending at the longest length found (`on_overflow="extend"`) or raise a `ValueError` when the
+dataset is built (`on_overflow="error"`).
 
-Default boundaries. Without `bucket_boundaries`, boundaries are the token-weighted quantiles of
-the scanned lengths (`quantile_boundaries`, 16 buckets): each bucket holds about the same share
-of the *tokens*, so buckets are dense where padding costs the most. On the project's own
-variable-length data (`load_stdlib_code()`, batch 32) that pads 10.5 % of the tokens, against
-58.9 % with 4 sequence-count quantiles (the previous default) and 9.7 % with
-`geometric_boundaries` (18 buckets). Known length. When the build-time scan read the whole
-dataset, the number of batches is known and declared (`assert_cardinality`), so Keras' `fit`
-and `evaluate` know the epoch length.
+Without `bucket_boundaries`, boundaries are the token-weighted quantiles of the scanned lengths
+(`quantile_boundaries`, 16 buckets). When the build-time scan read the whole dataset, the number
+of batches is declared, so `fit` and `evaluate` know the epoch length. Measurements and the
+mapping onto tf.data: `docs/design.md`, section "Length bucketing".
 """
 
 from __future__ import annotations
