@@ -6,6 +6,7 @@ replicas), which Keras' own ``global_clipnorm`` does not.
 """
 
 import collections
+import inspect
 
 import keras
 import numpy as np
@@ -277,22 +278,17 @@ def test_regularization_counted_once_per_global_batch():
 
 
 def _collective_ops(model, dataset):
-    """Cross-replica collective ops in one traced distributed train step.
+    """Cross-replica collective ops in the traced train function, by op type.
 
-    The step is traced here, as Keras' train function runs it (`strategy.run(train_step)` in a
-    `tf.function`), not read from a closure variable of Keras' own train function.
+    Reads Keras 3.15's ``multi_step_on_iterator`` from the closure of ``train_function``: the
+    traced step must run under the model's own ``make_function`` (which keeps the optimizer
+    from all-reducing a second time), and Keras' ``train_function`` cannot be re-traced inside
+    another ``tf.function`` (its ``raise StopIteration``). Breaks loudly if Keras renames it.
     """
+    model.make_train_function()
+    fn = inspect.getclosurevars(model.train_function).nonlocals["multi_step_on_iterator"]
     strategy = model.distribute_strategy
-    with strategy.scope():
-        model.optimizer.build(model.trainable_variables)
-
-    @tf.function
-    def step(iterator):
-        return strategy.run(model.train_step, args=(next(iterator),))
-
-    graph = step.get_concrete_function(
-        iter(strategy.experimental_distribute_dataset(dataset))
-    ).graph
+    graph = fn.get_concrete_function(iter(strategy.experimental_distribute_dataset(dataset))).graph
     counts = collections.Counter()
     seen = set()
 
