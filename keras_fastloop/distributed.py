@@ -1,43 +1,17 @@
-"""Cross-replica helpers for OptimizedModel's step, and every fix it needs under ``tf.distribute``.
+"""Cross-replica helpers for the step under ``tf.distribute`` (internal to the step).
 
-**Aggregation once, decisions on the aggregate.** Keras' optimizer sums gradients across replicas
-inside ``apply()``, *after* its own clipping, so ``global_clipnorm`` acts on each replica's share
-(tensorflow#33929; case C10). OptimizedModel instead sums the gradients once itself
-(:func:`all_reduce_sum`), takes the finite check and clipping on that sum, and lets the optimizer
-apply it without summing again (:func:`gradients_already_reduced`). Every replica then holds the
-same gradient, so every decision taken from it (skip or apply, clip factor, weighting state) is
-the same on every replica.
+- :func:`all_reduce_sum` sums the gradients across replicas once; the finite check and clipping
+  act on that sum, and :func:`gradients_already_reduced` keeps the optimizer from summing again
+  (case C10: Keras' ``global_clipnorm`` clips each replica's share, tensorflow#33929).
+- :func:`cond` is a replica-context ``tf.cond`` whose branches may synchronise (``merge_call``).
+- :func:`first_local_batch`, :func:`maybe_symbolic_build` and :func:`make_function` correct
+  ``keras.Model.fit`` under ``MultiWorkerMirroredStrategy`` (keras-team/keras#20585) on the model
+  instance: the build reads the first local batch instead of reducing it across workers, and
+  the step's outputs travel as one ``(1, K)`` float64 tensor (private ``_OutputPacker``) so that
+  Keras' per-output MEAN over ``axis=0`` becomes one collective over replicas.
 
-**Conditionals with synchronisation points.** ``MirroredStrategy`` and
-``MultiWorkerMirroredStrategy`` synchronise replicas with ``merge_call`` (optimizer updates,
-assignments to mirrored variables, all-reduces), which is not allowed inside a ``tf.cond`` traced
-in replica context. :func:`cond` is a replica-context ``cond`` whose branches may synchronise: it
-enters cross-replica context, takes the (identical) predicate of the first local replica and runs
-the chosen branch on every replica (the pattern of Keras' own ``LossScaleOptimizer``).
-
-**MultiWorkerMirroredStrategy** (keras-team/keras#20585). ``keras.Model.fit`` fails there with
-Keras 3 in two places, both corrected on the model instance (never by patching Keras globally):
-
-1. ``Trainer._maybe_symbolic_build`` reduces the first batch across workers with
-   ``strategy.reduce("MEAN", batch, axis=None)`` only to learn its shapes; under
-   ``MultiWorkerMirroredStrategy`` with one device per worker the batch is a plain tensor on some
-   paths and a ``PerReplica`` on others, and the reduction fails ("Attempt to convert a value
-   (PerReplica...)") or issues a needless collective. :func:`first_local_batch` takes the first
-   local replica's batch instead: shapes and dtypes are all the build needs.
-2. The trainer's ``reduce_per_replica`` reduces every step output with
-   ``strategy.reduce("MEAN", v, axis=0)`` under ``MultiWorkerMirroredStrategy``, which fails for
-   scalar outputs (a scalar has no axis 0) and averages non-scalar ones over their own first axis.
-   :func:`pack_step_outputs` gives the trainer one float32 tensor of shape ``(1, K)`` instead
-   (every output flattened and concatenated), so its reduction is one collective that averages
-   over replicas only, and :func:`unpack_step_outputs` restores the logs' structure.
-
-The Keras internals these rely on, all named here and pinned by ``tests/test_keras_internals.py``:
-``TFOptimizer._all_reduce_sum_gradients(grads_and_vars)`` (overridden per optimizer instance
-while the step is traced), ``TensorFlowTrainer._make_function(step_function)`` (returns the
-callable ``train_function(iterator)``; wrapped, not copied), ``Trainer._maybe_symbolic_build(
-iterator=None, data_batch=None)`` and ``Trainer._symbolic_build(iterator=None,
-data_batch=None)``, and the MEAN-with-``axis=0`` reduction of ``reduce_per_replica`` under
-``MultiWorkerMirroredStrategy``.
+Why, and the Keras internals relied on (pinned by ``tests/test_keras_internals.py``):
+``docs/design.md``, section "Distributed training".
 """
 
 from __future__ import annotations

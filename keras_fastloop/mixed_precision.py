@@ -24,6 +24,9 @@ from collections.abc import Callable, Mapping, Sequence
 import keras
 import tensorflow as tf
 
+from keras_fastloop import _machine, _validation
+from keras_fastloop._warnings import FastloopWarning
+
 __all__ = [
     "GPUInfo",
     "HardwareInfo",
@@ -118,24 +121,6 @@ class HardwareInfo:
         return min(capabilities)
 
 
-def _parse_cpuinfo(text: str) -> tuple[frozenset[str], str]:
-    """Returns (flags of interest, model name) from the text of `/proc/cpuinfo`."""
-    flags: set[str] = set()
-    model = ""
-    for line in text.splitlines():
-        key, sep, value = line.partition(":")
-        if not sep:
-            continue
-        key = key.strip()
-        if key == "flags" and not flags:  # x86: one line per core, identical
-            flags = set(value.split())
-        elif key == "Features" and not flags:  # arm64 spelling
-            flags = set(value.split())
-        elif key == "model name" and not model:
-            model = value.strip()
-    return frozenset(flags & set(_CPU_FLAGS_OF_INTEREST)), model
-
-
 def _as_compute_capability(value) -> tuple[int, int] | None:
     if value is None:
         return None
@@ -181,16 +166,12 @@ def detect_hardware(cpuinfo_path: str = "/proc/cpuinfo") -> HardwareInfo:
                 compute_capability=_as_compute_capability(details.get("compute_capability")),
             )
         )
-    try:
-        with open(cpuinfo_path, encoding="utf-8", errors="replace") as f:
-            flags, model = _parse_cpuinfo(f.read())
-    except OSError:
-        flags, model = frozenset(), ""
+    cpu = _machine.read_cpuinfo(cpuinfo_path)
     return HardwareInfo(
         gpus=tuple(gpus),
-        cpu_flags=flags,
+        cpu_flags=cpu.flags & frozenset(_CPU_FLAGS_OF_INTEREST),
         cpu_count=os.cpu_count() or 1,
-        cpu_model=model,
+        cpu_model=cpu.model,
     )
 
 
@@ -362,14 +343,13 @@ def set_recommended_policy(
     >>> choice.policy == keras.config.dtype_policy().name
     True
     """
-    if not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"`steps` must be an int >= 1. Received: steps={steps!r}")
-    if not isinstance(warmup_steps, int) or warmup_steps < 0:
-        raise ValueError(
-            f"`warmup_steps` must be an int >= 0. Received: warmup_steps={warmup_steps!r}"
-        )
-    if not min_speedup > 0:
-        raise ValueError(f"`min_speedup` must be > 0. Received: min_speedup={min_speedup!r}")
+    steps = _validation.check_int("steps", steps, minimum=1, requirement="an int >= 1")
+    warmup_steps = _validation.check_int(
+        "warmup_steps", warmup_steps, minimum=0, requirement="an int >= 0"
+    )
+    _validation.check(
+        _validation.is_real(min_speedup) and min_speedup > 0, "min_speedup", "> 0", min_speedup
+    )
     if confirm and (model_fn is None or data is None):
         raise ValueError(
             "`confirm=True` times the user's model, so `model_fn` and `data` are required. "
@@ -540,7 +520,7 @@ def check_output_dtypes(model, policy=None, outputs=None, warn: bool = True) -> 
             'layer of each float32 (e.g. `Dense(..., dtype="float32")`) or append '
             "`keras_fastloop.mixed_precision.Float32Output()` / "
             '`keras.layers.Activation("linear", dtype="float32")`.',
-            UserWarning,
+            FastloopWarning,
             stacklevel=2,
         )
     return offending

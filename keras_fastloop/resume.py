@@ -1,46 +1,22 @@
 """Exact mid-epoch resume with ``keras.callbacks.BackupAndRestore(save_freq=N)``.
 
-What Keras 3.15 does on its own. ``BackupAndRestore`` with an integer ``save_freq`` saves the
-weights (model, optimizer, every variable the model tracks) every ``N`` batches together with
-``{"epoch": e, "batch": b}``. After a crash the next ``fit`` loads the weights and sets the model's
-``_initial_epoch`` to ``e``, but it ignores ``b``: epoch ``e`` is run again *from its first batch*
-with weights that have already seen batches ``0..b`` of it. The resumed run therefore takes
-``b + 1`` extra optimizer steps on repeated data and does not end with the weights of an
-uninterrupted run. Two more defects: after a resume the callback writes ``"epoch": 0`` in its
-metadata until the resumed epoch ends (its epoch counter only advances in ``on_epoch_end``), so a
-second crash in the resumed epoch restarts from epoch 0; and its step counter starts from zero, so
-its save points after a resume are shifted from those of the uninterrupted run.
+Keras 3.15's ``BackupAndRestore`` restores the weights saved after batch ``b`` of epoch ``e`` but
+then reruns epoch ``e`` from its first batch (``b + 1`` extra optimizer steps). With this module
+(registered with :mod:`keras_fastloop.fit_loop`, nothing to call: pass a stock
+``BackupAndRestore`` with an integer ``save_freq`` to ``OptimizedModel.fit``) the resumed run
+continues with batch ``b + 1`` and ends with the weights of an uninterrupted run; the backup's
+and each integer-``save_freq`` ``ModelCheckpoint``'s save points line up with the uninterrupted
+run, and ``save_freq`` batches are counted exactly.
 
-What this module adds (registered with :mod:`keras_fastloop.fit_loop`; Keras itself is not
-patched). When ``fit`` is given a stock ``BackupAndRestore`` with an integer ``save_freq``, a small
-callback is placed right after it. After the backup is restored it reads the saved
-``(epoch, batch)``:
+Exact if an epoch's data order does not depend on the process: no shuffling, or
+``Dataset.shuffle(..., seed=s, reshuffle_each_iteration=False)`` (with
+``reshuffle_each_iteration=True`` a new process starts the shuffle counter again at 0). Stateful
+callbacks other than ``PeriodicValidation(backup_dir=...)`` are not restored (as in Keras), and
+the running means of the interrupted epoch's training metrics restart at the resume point. On
+data of unknown length a backup of an epoch's last batch replays that epoch empty.
 
-- if ``batch`` was the epoch's last batch (the epoch length is known), training resumes at epoch
-  ``e + 1``: no empty replay of epoch ``e``, ``on_epoch_end(e)`` is not called a second time;
-- otherwise the fit loop's resume skipping makes the first iterated epoch consume the
-  ``b + 1`` batches already trained *without* training on them and without calling any callback
-  for them, so the loop continues with batch ``b + 1`` and the same batch indices, data and
-  optimizer steps as the uninterrupted run (also under ``steps_per_execution="auto"``, whose
-  grouping is applied after the skipping).
-
-It also puts ``BackupAndRestore``'s counters where they were right after that save (epoch ``e``,
-last batch ``b``, zero batches since saving), so its later saves (and a second crash) line up
-with the uninterrupted run, and those of each ``ModelCheckpoint`` with an integer ``save_freq``
-where they would be after ``e * steps + b + 1`` batches of an uninterrupted ``fit``. And it
-corrects Keras 3.15's first-batch count of ``BackupAndRestore`` (its batch counter starts at 0,
-so under ``steps_per_execution=4`` the first execution of each epoch counted 3 batches and
-``save_freq=8`` saved after steps 12, 20, 28): saves happen after every ``save_freq`` batches
-exactly, as the user asked.
-
-Exact if the data order of an epoch does not depend on the process: no shuffling, or
-``Dataset.shuffle(..., seed=s, reshuffle_each_iteration=False)``. A ``tf.data`` shuffle with
-``reshuffle_each_iteration=True`` draws each epoch's order from a counter of the dataset object,
-which a new process starts again at 0, so the resumed epoch gets epoch 0's order. Stateful
-callbacks other than ``PeriodicValidation(backup_dir=...)`` are not restored (as in Keras), and the
-running means of the training metrics of the interrupted epoch restart at the resume point. On
-data of unknown length a backup of an epoch's last batch replays that epoch empty (its length is
-not known when training resumes).
+What Keras does and what is corrected, in detail: ``docs/design.md``, section "Exact mid-epoch
+resume".
 """
 
 from __future__ import annotations
@@ -50,7 +26,7 @@ import os
 
 import keras
 
-from keras_fastloop import fit_loop
+from keras_fastloop import _validation, fit_loop
 
 __all__ = ["with_exact_resume"]
 
@@ -67,8 +43,7 @@ def with_exact_resume(model, callbacks):
     return result
 
 
-def _is_int(value):
-    return isinstance(value, int) and not isinstance(value, bool)
+_is_int = _validation.is_int
 
 
 class _MidEpochResume(keras.callbacks.Callback):

@@ -1,20 +1,17 @@
 """Learning-rate schedules that Keras lacks: linear warmup followed by SGDR restarts."""
 
 import math
-import numbers
 
 import keras
 from keras import ops
 
+from keras_fastloop import _validation
+
 __all__ = ["WarmupCosineDecayRestarts"]
 
 
-def _is_number(value):
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
-def _is_int(value):
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+_is_number = _validation.is_real
+_is_int = _validation.is_int
 
 
 @keras.saving.register_keras_serializable(package="keras_fastloop")
@@ -223,6 +220,4 @@ class WarmupCosineDecayRestarts(keras.optimizers.schedules.LearningRateSchedule)
         }
 
 
-def _check(condition, name, requirement, value):
-    if not condition:
-        raise ValueError(f"`{name}` must be {requirement}. Received: {name}={value!r}")
+_check = _validation.check

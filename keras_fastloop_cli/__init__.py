@@ -16,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+from keras_fastloop_cli import launch
+
 __all__ = ["SUITES", "main", "version"]
 
 # Suite name -> module under keras_fastloop.bench exposing run(out_dir, quick=False) -> dict.
@@ -99,7 +101,13 @@ def build_parser():
         default=None,
         help="seed-table suite: cpu (digits ResNet) or gpu (ResNet-50, synthetic)",
     )
-    sub.add_parser("launch", help="start N local workers: launch --workers N -- script.py ...")
+    launch_parser = sub.add_parser(
+        "launch",
+        help="start N local workers: launch --workers N -- script.py ...",
+        description=launch.DESCRIPTION,
+    )
+    launch.add_arguments(launch_parser)
+    launch_parser.set_defaults(parser=launch_parser)
     return parser
 
 
@@ -116,10 +124,8 @@ def main(argv=None):
         SystemExit: for ``--help``, ``--version`` (code 0) and bad arguments (code 2).
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "launch":
-        from keras_fastloop_cli import launch
-
-        return launch.main(argv[1:])
     args = build_parser().parse_args(argv)
+    if args.command == "launch":
+        return launch.run_parsed(args, args.parser)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # before the bench imports TensorFlow
     return _bench(args)

@@ -204,6 +204,46 @@ def launch(
     return first_failure[1] if first_failure[1] > 0 else 1
 
 
+def add_arguments(parser):
+    """Adds ``launch``'s arguments to ``parser`` (the ``launch`` sub-command or its own parser).
+
+    Args:
+        parser: an ``argparse.ArgumentParser``.
+
+    Returns:
+        ``parser``.
+    """
+    parser.add_argument("--workers", type=int, default=2, help="number of workers (default 2)")
+    parser.add_argument(
+        "--timeout", type=float, default=DEFAULT_TIMEOUT, help="seconds (default 3600)"
+    )
+    parser.add_argument("--python", default=None, help="interpreter (default: this one)")
+    parser.add_argument("script", nargs=argparse.REMAINDER, help="-- script.py [args]")
+    return parser
+
+
+def run_parsed(args, parser):
+    """Checks parsed ``launch`` arguments and runs :func:`launch`; returns its exit code.
+
+    Raises:
+        SystemExit: through ``parser.error`` (code 2) for a missing script, ``--workers < 1`` or
+            ``--timeout <= 0``.
+    """
+    script = list(args.script)
+    if script and script[0] == "--":
+        script = script[1:]
+    if not script:
+        parser.error("a script is required: keras-fastloop launch --workers N -- script.py")
+    if args.workers < 1:
+        parser.error(f"--workers must be a positive integer. Received: workers={args.workers}")
+    if args.timeout <= 0:
+        parser.error(f"--timeout must be positive. Received: timeout={args.timeout}")
+    return launch(script, workers=args.workers, timeout=args.timeout, python=args.python)
+
+
+DESCRIPTION = "Run a training script as N local MultiWorkerMirroredStrategy workers."
+
+
 def main(argv=None):
     """Command line: ``keras-fastloop launch --workers N [--timeout S] -- script.py [args]``.
 
@@ -220,27 +260,11 @@ def main(argv=None):
         >>> main(["--workers", "2", "--", "train.py"])  # doctest: +SKIP
         0
     """
-    parser = argparse.ArgumentParser(
-        prog="keras-fastloop launch",
-        description="Run a training script as N local MultiWorkerMirroredStrategy workers.",
+    parser = add_arguments(
+        argparse.ArgumentParser(prog="keras-fastloop launch", description=DESCRIPTION)
     )
-    parser.add_argument("--workers", type=int, default=2, help="number of workers (default 2)")
-    parser.add_argument(
-        "--timeout", type=float, default=DEFAULT_TIMEOUT, help="seconds (default 3600)"
-    )
-    parser.add_argument("--python", default=None, help="interpreter (default: this one)")
-    parser.add_argument("script", nargs=argparse.REMAINDER, help="-- script.py [args]")
     args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
-    script = list(args.script)
-    if script and script[0] == "--":
-        script = script[1:]
-    if not script:
-        parser.error("a script is required: keras-fastloop launch --workers N -- script.py")
-    if args.workers < 1:
-        parser.error(f"--workers must be a positive integer. Received: workers={args.workers}")
-    if args.timeout <= 0:
-        parser.error(f"--timeout must be positive. Received: timeout={args.timeout}")
-    return launch(script, workers=args.workers, timeout=args.timeout, python=args.python)
+    return run_parsed(args, parser)
 
 
 if __name__ == "__main__":  # pragma: no cover

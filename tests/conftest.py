@@ -9,6 +9,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
+from _helpers import two_replica_strategy  # noqa: E402
 
 # Two logical CPU devices so MirroredStrategy tests can run on one CPU. This must happen
 # before TensorFlow initialises its devices, i.e. at collection time.
@@ -30,23 +31,6 @@ def _seed_and_policy():
     yield
     keras.config.set_dtype_policy("float32")
     keras.backend.clear_session()
-
-
-_STRATEGY = []
-
-
-def two_replica_strategy():
-    """The process' one MirroredStrategy over the 2 logical CPUs (skips if unavailable).
-
-    TensorFlow numbers collective instances per strategy object from the same start, so two
-    MirroredStrategy objects on the same devices in one process clash ("Shape mismatch in the
-    collective instance") once their collectives differ: every test shares this one.
-    """
-    if len(tf.config.list_logical_devices("CPU")) < 2:
-        pytest.skip("needs 2 logical CPU devices (configured by tests/conftest.py)")
-    if not _STRATEGY:
-        _STRATEGY.append(tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]))
-    return _STRATEGY[0]
 
 
 @pytest.fixture

@@ -95,3 +95,24 @@ def test_plot_has_all_rounds_the_target_and_a_throughput_bar_chart(tmp_path):
     assert "median round of 3" in curves.get_title()
     widths = sorted(patch.get_width() for patch in bars.patches)
     assert widths == [50.0, 100.0]  # median samples/s (first epoch excluded): 100/2 and 100/1
+
+
+def test_one_report_writer_writes_strict_json_for_numpy_nan(tmp_path):
+    import numpy as np
+
+    from keras_fastloop.bench import harness
+
+    payload = {
+        "a": np.float32("nan"),
+        "b": np.array([1.0, np.inf]),
+        "c": np.int64(3),
+        "d": [float("nan"), -float("inf")],
+    }
+    harness.write_report(tmp_path, "s", "md", payload)
+    text = (tmp_path / "s.json").read_text()
+    assert json.loads(text, parse_constant=lambda c: pytest.fail(c)) == {
+        "a": None,
+        "b": [1.0, None],
+        "c": 3,
+        "d": [None, None],
+    }

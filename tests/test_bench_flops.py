@@ -123,3 +123,25 @@ def test_efficiency_note():
     peak = flops.Peak("x", 1e10, 1e11, "")
     assert flops.efficiency_note(1e9, peak) == "1.00 GFLOP/s = 10.0% of fp32 peak"
     assert flops.efficiency_note(1e9, peak, "mixed_bfloat16").endswith("1.0% of bf16/fp16 peak")
+
+
+def test_one_cpuinfo_parser_for_policy_flops_and_reports(tmp_path):
+    from keras_fastloop import _machine, mixed_precision
+
+    path = tmp_path / "cpuinfo"
+    path.write_text(
+        "processor\t: 0\nmodel name\t: Test CPU\ncpu MHz\t\t: 2600.000\n"
+        "flags\t\t: fpu avx2 fma avx512_bf16\nprocessor\t: 1\nflags\t\t: fpu\n"
+    )
+    cpu = _machine.read_cpuinfo(str(path))
+    assert cpu == _machine.CPUInfo(
+        flags=frozenset({"fpu", "avx2", "fma", "avx512_bf16"}), model="Test CPU", mhz=2600.0
+    )
+    assert flops.read_cpu_description(str(path), str(tmp_path / "no")).flags == cpu.flags
+    hw = mixed_precision.detect_hardware(str(path))
+    assert (
+        hw.cpu_model == "Test CPU" and "avx512_bf16" in hw.cpu_flags and "fpu" not in hw.cpu_flags
+    )
+    arm = _machine.parse_cpuinfo("Features\t: fp asimd\n")
+    assert arm == _machine.CPUInfo(flags=frozenset({"fp", "asimd"}))
+    assert _machine.read_cpuinfo(str(tmp_path / "missing")) == _machine.CPUInfo()

@@ -71,3 +71,15 @@ def test_historical_import_paths_still_work(path):
 
     module = importlib.import_module(path)
     assert callable(module.main)
+
+
+def test_launch_is_a_subcommand_of_the_one_parser(monkeypatch):
+    import keras_fastloop_cli as cli
+
+    calls = []
+    monkeypatch.setattr(cli.launch, "launch", lambda script, **kw: calls.append((script, kw)) or 0)
+    assert cli.main(["launch", "--workers", "3", "--", "train.py", "--lr", "1"]) == 0
+    assert calls == [(["train.py", "--lr", "1"], {"workers": 3, "timeout": 3600.0, "python": None})]
+    with pytest.raises(SystemExit) as e:
+        cli.main(["launch", "--workers", "0", "--", "train.py"])
+    assert e.value.code == 2

@@ -117,3 +117,103 @@ def test_huge_threshold_equals_no_clipping():
     for other in weights[1:]:
         for a, b in zip(weights[0], other):
             np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+# ================================ cases C8-C9: clipping in the step (were tests/test_step_cases.py)
+
+
+def identity_loss(y_true, y_pred):
+    """loss = y_pred (per sample), so d loss / d w == 1."""
+    return keras.ops.mean(y_pred, axis=-1) + 0.0 * keras.ops.mean(y_true, axis=-1)
+
+
+class TwoVars(kf.OptimizedModel):
+    """Two 2-vectors whose loss gradients are [3, 0] and [0, 4] (global norm 5)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.a = self.add_weight(shape=(2,), initializer="zeros", name="a")
+        self.b = self.add_weight(shape=(2,), initializer="zeros", name="b")
+
+    def call(self, x):
+        return (
+            tf.zeros_like(x[:, :1])
+            + keras.ops.sum(self.a * [3.0, 0.0])
+            + keras.ops.sum(self.b * [0.0, 4.0])
+        )
+
+
+def _update_after_one_step(gradient_clipping, optimizer=None, scale=None):
+    model = TwoVars()
+    opt = optimizer or keras.optimizers.SGD(1.0)
+    if scale is not None:
+        opt = keras.optimizers.LossScaleOptimizer(opt, initial_scale=scale)
+    model.compile(opt, loss=identity_loss, gradient_clipping=gradient_clipping)
+    model.fit(np.zeros((1, 1), "float32"), np.zeros((1, 1), "float32"), verbose=0)
+    return -model.a.numpy(), -model.b.numpy()
+
+
+@pytest.mark.parametrize(
+    "clip, expected_a, expected_b",
+    [
+        (kf.clipping.ClipByGlobalNorm(1.0), [0.6, 0.0], [0.0, 0.8]),
+        (1.0, [0.6, 0.0], [0.0, 0.8]),
+        (kf.clipping.ClipByNorm(1.0), [1.0, 0.0], [0.0, 1.0]),
+        (kf.clipping.ClipByValue(1.0), [1.0, 0.0], [0.0, 1.0]),
+        (None, [3.0, 0.0], [0.0, 4.0]),
+        (1e9, [3.0, 0.0], [0.0, 4.0]),
+    ],
+)
+def test_c8_clipping_values(clip, expected_a, expected_b):
+    a, b = _update_after_one_step(clip)
+    np.testing.assert_allclose(a, expected_a, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(b, expected_b, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("true_norm_factor, expected_norm", [(0.1, 0.5), (1.0, 1.0)])
+def test_c9_clip_after_unscaling(true_norm_factor, expected_norm):
+    # Gradients [3, 0], [0, 4] times 0.1 have norm 0.5; times 1 norm 5 -> clipped to 1.0.
+    model = TwoVars()
+    opt = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(1.0), initial_scale=1024)
+    model.compile(
+        opt,
+        loss=lambda yt, yp: true_norm_factor * identity_loss(yt, yp),
+        gradient_clipping=kf.clipping.ClipByGlobalNorm(1.0),
+    )
+    h = model.fit(np.zeros((1, 1), "float32"), np.zeros((1, 1), "float32"), verbose=0)
+    update = np.concatenate([model.a.numpy(), model.b.numpy()])
+    assert np.linalg.norm(update) == pytest.approx(expected_norm, rel=1e-3)
+    assert h.history["grad_norm"][0] == pytest.approx(5 * true_norm_factor, rel=1e-3)
+    if true_norm_factor == 1.0:  # the same update as without loss scaling
+        a, b = _update_after_one_step(kf.clipping.ClipByGlobalNorm(1.0))
+        np.testing.assert_allclose(-update, np.concatenate([a, b]), rtol=1e-3)
+
+
+def _fresh_user_mlp():
+    keras.utils.set_random_seed(0)
+    i = keras.Input((8,))
+    return kf.OptimizedModel(
+        i, keras.layers.Dense(3, activation="softmax")(keras.layers.Dense(16, activation="relu")(i))
+    )
+
+
+def _fresh_user_data():
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(64, 8)).astype("float32"), rng.integers(0, 3, 64)
+
+
+def test_autoclip_zero_gradient_batches_do_not_write_nan():
+    x, y = _fresh_user_data()
+    sw = np.ones(64, "float32")
+    sw[:16] = 0.0  # the first batch has a zero gradient: AutoClip's first threshold is 0
+    model = _fresh_user_mlp()
+    model.compile(
+        "sgd",
+        "sparse_categorical_crossentropy",
+        gradient_clipping=kf.clipping.AutoClip(),
+        log_metrics=["grad_norm", "skipped_steps"],
+    )
+    history = model.fit(x, y, sample_weight=sw, batch_size=16, shuffle=False, epochs=2, verbose=0)
+    assert all(np.isfinite(w).all() for w in model.get_weights())
+    assert np.isfinite(history.history["loss"]).all()
+    assert history.history["skipped_steps"][-1] == 0

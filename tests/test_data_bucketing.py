@@ -350,22 +350,34 @@ def test_tuple_with_sample_weight_and_dict_elements():
     assert sorted(i for b in out for i in b["id"].numpy().tolist()) == [0, 1, 2, 3]
 
 
-def test_custom_length_fn_and_ragged_input():
+def test_custom_element_length_func_and_ragged_input():
     ragged = tf.ragged.constant([[1, 2, 3], [4], [5, 6]])
     ds = tf.data.Dataset.from_tensor_slices((ragged, tf.constant([0, 1, 2])))
     out = list(bucket_by_length(ds, bucket_boundaries=[1, 3], batch_size=4))
     assert sorted(tuple(x.shape) for x, _ in out) == [(1, 1), (2, 3)]
-    # A length_fn that buckets by label instead of by length (custom keys are honoured).
+    # An element_length_func that buckets by label instead of by length (custom keys honoured).
     out = list(
         bucket_by_length(
             ds,
             bucket_boundaries=[1, 3],
             batch_size=4,
-            length_fn=lambda el: el[1] + 1,
+            element_length_func=lambda el: el[1] + 1,
             pad_to_bucket_boundary=False,
         )
     )
     assert sorted(x.shape[0] for x, _ in out) == [1, 2]
+
+
+def test_length_fn_is_a_deprecated_alias_of_element_length_func():
+    ds = tf.data.Dataset.from_tensor_slices(
+        (tf.ragged.constant([[1, 2, 3], [4], [5, 6]]), [0, 1, 2])
+    )
+    by_label = dict(bucket_boundaries=[1, 3], batch_size=4, pad_to_bucket_boundary=False)
+    with pytest.warns(DeprecationWarning, match="use `element_length_func`"):
+        out = list(bucket_by_length(ds, length_fn=lambda el: el[1] + 1, **by_label))
+    assert sorted(x.shape[0] for x, _ in out) == [1, 2]
+    with pytest.raises(ValueError, match="Pass `element_length_func` only"):
+        bucket_by_length(ds, element_length_func=len, length_fn=len, **by_label)
 
 
 def _first_epoch_order(ds):
@@ -430,7 +442,7 @@ def test_shuffle_is_deterministic_with_a_seed():
         ({"batch_size": 4, "shuffle_buffer": 0}, "shuffle_buffer=0"),
         ({"batch_size": 4, "seed": "a"}, "seed"),
         ({"batch_size": 4, "max_length": 0}, "max_length=0"),
-        ({"batch_size": 4, "length_fn": 3}, "length_fn"),
+        ({"batch_size": 4, "element_length_func": 3}, "element_length_func"),
         ({"batch_size": 4, "pad_to_bucket_boundary": "yes"}, "pad_to_bucket_boundary"),
         ({"batch_size": 4, "drop_remainder": 1}, "drop_remainder"),
     ],

@@ -8,15 +8,14 @@ replicas), which Keras' own ``global_clipnorm`` does not.
 import collections
 import inspect
 
-import conftest
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from _helpers import two_replica_strategy
 
 import keras_fastloop as kf
 from keras_fastloop import distributed
-from keras_fastloop import micro_batching as micro_batching_module
 from keras_fastloop import weighting as weighting_module
 
 pytestmark = pytest.mark.distributed
@@ -31,11 +30,7 @@ def _two_replicas():
     MirroredStrategy objects on the same devices in one process can clash ("Shape mismatch in
     the collective instance") once their collectives differ; tests share one.
     """
-    return conftest.two_replica_strategy()
-
-
-def _micro_batching_implemented():
-    return "raise NotImplementedError" not in inspect.getsource(micro_batching_module.accumulate)
+    return two_replica_strategy()
 
 
 def _data(n=32, nan_at=None):
@@ -116,9 +111,7 @@ def _lso():
 def test_all_features_replica_invariant():
     """Clipping + loss scaling + regularization + sample weights + loss-based weighting + micro-batches."""
     strategy = _two_replicas()
-    kwargs = dict(gradient_clipping=1.0, loss_weighting="loss_ema")
-    if _micro_batching_implemented():
-        kwargs["micro_batch_size"] = 2
+    kwargs = dict(gradient_clipping=1.0, loss_weighting="loss_ema", micro_batch_size=2)
     one = _train(tf.distribute.get_strategy(), optimizer=_lso, **kwargs)
     two = _train(strategy, optimizer=_lso, **kwargs)
     _assert_invariant(one, two)
@@ -130,10 +123,6 @@ def test_all_features_replica_invariant():
     )
 
 
-@pytest.mark.skipif(
-    not _micro_batching_implemented(),
-    reason="keras_fastloop.micro_batching.accumulate is still a NotImplementedError placeholder",
-)
 def test_micro_batching_replica_invariant():
     strategy = _two_replicas()
     one = _train(tf.distribute.get_strategy(), gradient_clipping=1.0, micro_batch_size=3)
@@ -280,7 +269,13 @@ def test_regularization_counted_once_per_global_batch():
 
 
 def _collective_ops(model, dataset):
-    """Cross-replica collective ops in the traced train function, by op type."""
+    """Cross-replica collective ops in the traced train function, by op type.
+
+    Reads Keras 3.15's ``multi_step_on_iterator`` from the closure of ``train_function``: the
+    traced step must run under the model's own ``make_function`` (which keeps the optimizer
+    from all-reducing a second time), and Keras' ``train_function`` cannot be re-traced inside
+    another ``tf.function`` (its ``raise StopIteration``). Breaks loudly if Keras renames it.
+    """
     model.make_train_function()
     fn = inspect.getclosurevars(model.train_function).nonlocals["multi_step_on_iterator"]
     strategy = model.distribute_strategy

@@ -18,7 +18,7 @@ import itertools
 import keras
 import numpy as np
 import pytest
-from conftest import two_replica_strategy
+from _helpers import two_replica_strategy
 
 import keras_fastloop as kf
 

@@ -4,11 +4,11 @@ Every reference is a plain ``keras.Model`` with the same initial weights trained
 batch, or a NumPy value.
 """
 
-import conftest
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from _helpers import two_replica_strategy
 
 import keras_fastloop as kf
 from keras_fastloop import distributed, micro_batching
@@ -382,7 +382,7 @@ def test_mixed_float16_trains_close_to_the_full_batch():
 def test_mirrored_strategy_two_replicas_accumulate_per_replica_share():
     # The loop runs per replica on the replica's 8 samples (micro-batches 3, 3, 2); the
     # cross-replica sum of the accumulated gradients is the gradient of the global batch mean.
-    strategy = conftest.two_replica_strategy()
+    strategy = two_replica_strategy()
     x, y, _ = data(16)
     ref = mlp(keras.Model)
     with strategy.scope():

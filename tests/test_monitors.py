@@ -66,7 +66,7 @@ def _data(n=32):
 
 def test_throughput_excludes_first_step_fake_clock():
     clock = FakeClock()
-    monitor = ThroughputMonitor(batch_size=8, clock=clock)
+    monitor = ThroughputMonitor(batch_size=8, timer=clock)
     x, y = _data(32)  # 4 batches of 8
     history = _model().fit(
         x,
@@ -93,7 +93,7 @@ def test_throughput_infers_samples_from_loss_tracker_with_short_last_batch():
         epochs=1,
         verbose=0,
         shuffle=False,
-        callbacks=[AdvanceClock(clock, 5.0, 0.5), ThroughputMonitor(clock=clock)],
+        callbacks=[AdvanceClock(clock, 5.0, 0.5), ThroughputMonitor(timer=clock)],
     )
     # Timed steps: 8 + 8 + 6 samples in 1.5 s.
     assert history.history["samples_per_sec"] == [pytest.approx(22 / 1.5)]
@@ -113,7 +113,7 @@ def test_throughput_counts_steps_from_batch_indices_with_steps_per_execution():
         shuffle=False,
         callbacks=[
             AdvanceClock(clock, 5.0, 1.0),  # 1 s per callback call = per 2 steps
-            ThroughputMonitor(batch_size=8, log_every_n_steps=4, clock=clock),
+            ThroughputMonitor(batch_size=8, log_every_n_steps=4, timer=clock),
             batch_logs,
         ],
     )
@@ -129,7 +129,7 @@ def test_throughput_counts_steps_from_batch_indices_with_steps_per_execution():
 def test_throughput_unit_calls_and_pause_during_validation():
     """Drives the hooks by hand: validation inside an epoch is not counted as training time."""
     clock = FakeClock()
-    monitor = ThroughputMonitor(batch_size=10, log_every_n_steps=2, clock=clock)
+    monitor = ThroughputMonitor(batch_size=10, log_every_n_steps=2, timer=clock)
     monitor.set_model(_model())
     monitor.on_train_begin()
     monitor.on_epoch_begin(0)
@@ -169,8 +169,20 @@ def test_throughput_argument_validation():
         ThroughputMonitor(batch_size=0)
     with pytest.raises(ValueError, match="Received: log_every_n_steps=1.5"):
         ThroughputMonitor(log_every_n_steps=1.5)
-    with pytest.raises(ValueError, match="`clock` must be callable"):
-        ThroughputMonitor(clock=3)
+    with pytest.raises(ValueError, match="`timer` must be callable. Received: timer=3"):
+        ThroughputMonitor(timer=3)
+
+
+def test_throughput_clock_is_a_deprecated_alias_of_timer():
+    clock = FakeClock()
+    with pytest.warns(DeprecationWarning, match="use `timer=...`"):
+        monitor = ThroughputMonitor(batch_size=8, clock=clock)
+    assert monitor.timer is clock
+    with pytest.raises(ValueError, match="`clock` must be callable. Received: clock=3"):
+        with pytest.warns(DeprecationWarning):
+            ThroughputMonitor(clock=3)
+    with pytest.raises(ValueError, match="Pass `timer` only"):
+        ThroughputMonitor(timer=clock, clock=clock)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -299,7 +311,7 @@ def test_monitor_values_reach_tensorboard_event_files(tmp_path):
         validation_data=(x[:16], y[:16]),
         callbacks=[
             AdvanceClock(clock, 5.0, 0.25),
-            ThroughputMonitor(batch_size=8, log_every_n_steps=2, clock=clock),
+            ThroughputMonitor(batch_size=8, log_every_n_steps=2, timer=clock),
             MemoryMonitor(),
             _tensorboard(logdir, update_freq=1),  # after the monitors: they fill `logs` first
         ],

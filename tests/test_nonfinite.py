@@ -157,7 +157,7 @@ def test_raise_from_train_on_batch():
 
 
 def test_raise_on_two_replicas_decides_on_the_global_batch():
-    from conftest import two_replica_strategy
+    from _helpers import two_replica_strategy
 
     strategy = two_replica_strategy()
     x, y = make_data(4, bad_batches=(2,))  # the NaN sits in the first replica's half
@@ -415,7 +415,7 @@ def test_overflow_burst_of_a_finite_loss_halves_the_scale_and_it_regrows():
 @pytest.mark.parametrize("mixed", [False, True])
 def test_two_replicas_skip_a_batch_bad_on_one_replica_only(mixed):
     """Same decision on every replica: the global step is skipped, metrics and scale untouched."""
-    from conftest import two_replica_strategy
+    from _helpers import two_replica_strategy
 
     strategy = two_replica_strategy()
     runs = []
@@ -441,3 +441,40 @@ def test_two_replicas_skip_a_batch_bad_on_one_replica_only(mixed):
         assert float(faulty.optimizer.dynamic_scale.numpy()) == float(
             clean.optimizer.dynamic_scale.numpy()
         )
+
+
+# ----------------------------------- faults found by a fresh user (were tests/test_regressions.py)
+
+
+def _fresh_user_mlp():
+    keras.utils.set_random_seed(0)
+    i = keras.Input((8,))
+    return kf.OptimizedModel(
+        i, keras.layers.Dense(3, activation="softmax")(keras.layers.Dense(16, activation="relu")(i))
+    )
+
+
+def _fresh_user_data():
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(64, 8)).astype("float32"), rng.integers(0, 3, 64)
+
+
+def test_terminate_stops_one_fit_only_and_says_so(capsys):
+    x, y = _fresh_user_data()
+    bad = x.copy()
+    bad[20, 3] = np.nan
+    model = _fresh_user_mlp()
+    model.compile("sgd", "sparse_categorical_crossentropy", nonfinite="terminate")
+    model.fit(bad, y, batch_size=16, shuffle=False, verbose=0)
+    assert "terminating training" in capsys.readouterr().out
+    assert int(model.optimizer.iterations.numpy()) == 1
+    model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)  # clean data trains again
+    assert int(model.optimizer.iterations.numpy()) == 1 + 8
+
+
+def test_skip_warning_on_small_epochs():
+    x, y = _fresh_user_data()
+    model = _fresh_user_mlp()
+    model.compile("sgd", lambda yt, yp: keras.ops.mean(yp, axis=-1) * np.nan)
+    with pytest.warns(UserWarning, match="were skipped"):
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0)

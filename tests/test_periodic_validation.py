@@ -5,11 +5,11 @@ import json
 import os
 import warnings
 
-import conftest
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from _helpers import two_replica_strategy
 
 from keras_fastloop.callbacks.periodic_validation import PeriodicValidation
 from keras_fastloop.schedules import WarmupCosineDecayRestarts
@@ -483,7 +483,7 @@ def test_state_resumes_counters_and_driven_callbacks():
 
 @pytest.mark.distributed
 def test_training_logs_identical_under_mirrored_strategy():
-    strategy = conftest.two_replica_strategy()
+    strategy = two_replica_strategy()
 
     def run(callbacks):
         keras.utils.set_random_seed(5)
@@ -496,3 +496,10 @@ def test_training_logs_identical_under_mirrored_strategy():
     logged = run([validation])
     assert len(validation.history) == 2
     assert {key: logged[key] for key in plain} == plain
+
+
+def test_periodic_validation_takes_a_single_callback():
+    x, y = np.zeros((8, 2), "float32"), np.zeros((8, 1), "float32")
+    stop = keras.callbacks.EarlyStopping(patience=1)
+    pv = PeriodicValidation((x, y), every_n_steps=2, callbacks=stop)
+    assert pv.callbacks == [stop]

@@ -1,5 +1,7 @@
 """The public API, pinned: a change here is a deliberate, reviewed change."""
 
+import pytest
+
 import keras_fastloop as kf
 
 
@@ -67,3 +69,20 @@ def test_version_matches_package_metadata():
     from importlib.metadata import version
 
     assert kf.__version__ == version("keras-fastloop")
+
+
+def test_own_warnings_are_errors_in_tests():
+    """pyproject's filterwarnings turns keras_fastloop's own warnings into errors."""
+    import warnings
+
+    from keras_fastloop._warnings import FastloopWarning
+
+    assert issubclass(FastloopWarning, UserWarning)
+    with pytest.raises(FastloopWarning):
+        warnings.warn("a keras_fastloop warning", FastloopWarning, stacklevel=1)
+
+
+def test_ships_py_typed():
+    from pathlib import Path
+
+    assert (Path(kf.__file__).parent / "py.typed").is_file()

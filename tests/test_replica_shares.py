@@ -6,7 +6,7 @@ so 1 and 2 replicas agree for any split of the global batch (keras_fastloop/loss
 Reference: the 1-replica run on the same global batches, and hand-computed values.
 """
 
-import conftest
+import _helpers
 import keras
 import numpy as np
 import pytest
@@ -82,7 +82,7 @@ CASES = {
 
 @pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
 def test_last_batch_split_two_one_matches_one_replica(case):
-    strategy = conftest.two_replica_strategy()
+    strategy = _helpers.two_replica_strategy()
     one = _train(tf.distribute.get_strategy(), **CASES[case])
     two = _train(strategy, **CASES[case])
     (h1, w1), (h2, w2) = one, two
@@ -96,7 +96,7 @@ def test_last_batch_split_two_one_matches_one_replica(case):
 
 def test_plain_keras_differs_on_the_split_batch():
     """Documents the error corrected above: keras.Model averages the replicas' means."""
-    strategy = conftest.two_replica_strategy()
+    strategy = _helpers.two_replica_strategy()
     _, w1 = _train(tf.distribute.get_strategy(), cls=keras.Model)
     _, w2 = _train(strategy, cls=keras.Model)
     assert max(float(np.max(np.abs(a - b))) for a, b in zip(w1, w2)) > 1e-3
@@ -135,7 +135,7 @@ def _masked_run(strategy, cls=kf.OptimizedModel, **kwargs):
 
 @pytest.mark.parametrize("micro_batch_size", [None, 1], ids=["full_batch", "micro_batches"])
 def test_masked_tokens_one_and_three_on_two_replicas(micro_batch_size):
-    strategy = conftest.two_replica_strategy()
+    strategy = _helpers.two_replica_strategy()
     expected = np.array([[9.0, 9.0, 9.0], [1.0, 0.5, -0.5]], "float32")
     one = _masked_run(tf.distribute.get_strategy(), micro_batch_size=micro_batch_size)
     two = _masked_run(strategy, micro_batch_size=micro_batch_size)
@@ -144,7 +144,7 @@ def test_masked_tokens_one_and_three_on_two_replicas(micro_batch_size):
 
 
 def test_masked_tokens_plain_keras_stays_put():
-    strategy = conftest.two_replica_strategy()
+    strategy = _helpers.two_replica_strategy()
     np.testing.assert_allclose(
         _masked_run(strategy, cls=keras.Model)[1], [1.0, 0.0, 0.0], atol=1e-6
     )

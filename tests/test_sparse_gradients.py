@@ -15,7 +15,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import two_replica_strategy
+from _helpers import two_replica_strategy
 
 import keras_fastloop as kf
 from keras_fastloop import clipping

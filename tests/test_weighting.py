@@ -1,12 +1,12 @@
 """Loss weighting inside OptimizedModel's step: equivalence, logs, mid-fit changes, saving."""
 
-import conftest
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from _helpers import two_replica_strategy
 
-from keras_fastloop import OptimizedModel, distributed, weighting
+from keras_fastloop import OptimizedModel, weighting
 from keras_fastloop.weighting import gradient_based as gb
 
 
@@ -450,9 +450,7 @@ def _two_replica_run(method_id, strategy):
 
 
 def _mirrored():
-    if not hasattr(distributed, "cond") or not hasattr(conftest, "two_replica_strategy"):
-        pytest.skip("needs the step's replica-safe conditional update and the shared strategy")
-    return conftest.two_replica_strategy()  # one strategy per process (collective instances)
+    return two_replica_strategy()  # one strategy per process (collective instances)
 
 
 @pytest.mark.distributed

@@ -27,9 +27,9 @@ BASELINE = "keras.Model.fit (per-epoch validation)"
 VALIDATE_EVERY_2 = "OptimizedModel.fit + PeriodicValidation (every 2 epochs)"
 RECOMMENDED = "OptimizedModel, recommended setup"
 
-# The seed's claims (NOTES.md), printed next to what we measure.
+# The seed article's claim (harness.SEED_ARTICLE), printed next to what we measure.
 SEED_CLAIM = (
-    "The seed claims a custom GradientTape loop lowers the loss 15.3% faster than `fit` "
+    f"The seed article {harness.SEED_ARTICLE} claims a custom GradientTape loop lowers the loss 15.3% faster than `fit` "
     "(ResNet-50, CIFAR-10, V100). A custom loop runs the same mathematics as `fit`, so any gain "
     "can only come from wall-clock savings; this table measures them."
 )
@@ -48,24 +48,6 @@ def build_cnn(model_cls=keras.Model, image_size=16, num_classes=10):
     h = keras.layers.Flatten()(keras.layers.MaxPooling2D()(h))
     outputs = keras.layers.Dense(num_classes, activation="softmax", dtype="float32")(h)
     return model_cls(inputs, outputs)
-
-
-class EpochTimer(keras.callbacks.Callback):
-    """Reports each epoch's training loss and training-only time to a harness ``Run``."""
-
-    def __init__(self, run, samples_per_epoch):
-        super().__init__()
-        self.run = run
-        self.samples = samples_per_epoch
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self.t0 = self.t_last = time.perf_counter()
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.t_last = time.perf_counter()
-
-    def on_epoch_end(self, epoch, logs=None):
-        self.run.epoch_done(logs["loss"], self.t_last - self.t0, self.samples)
 
 
 class Data:
@@ -104,7 +86,7 @@ def fit_contender(data, model_cls=keras.Model, compile_kwargs=None, callbacks=()
             data.train(),
             epochs=run.epochs,
             validation_data=data.val() if validate else None,
-            callbacks=[EpochTimer(run, len(data.x)), *extra],
+            callbacks=[harness.EpochTimer(run, len(data.x)), *extra],
             verbose=0,
         )
         run.finish(model.evaluate(data.val(), verbose=0, return_dict=True)["accuracy"])
@@ -198,7 +180,7 @@ def recommended_contender(data, policy=None):
                 setup.pipeline(data.train()),
                 epochs=run.epochs,
                 validation_data=data.val(),
-                callbacks=[EpochTimer(run, len(data.x))],
+                callbacks=[harness.EpochTimer(run, len(data.x))],
                 verbose=0,
             )
             run.finish(model.evaluate(data.val(), verbose=0, return_dict=True)["accuracy"])

@@ -47,7 +47,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import re
+
+from keras_fastloop import _machine
 
 __all__ = [
     "FlopCount",
@@ -436,19 +437,10 @@ def read_cpu_description(
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - not Linux
         cores = os.cpu_count() or 1
-    flags, model, mhz, source = frozenset(), "", 0.0, ""
-    try:
-        with open(cpuinfo_path, encoding="utf-8", errors="replace") as f:
-            text = f.read()
-        m = re.search(r"^flags\s*:\s*(.*)$", text, re.M)
-        flags = frozenset(m.group(1).split()) if m else frozenset()
-        m = re.search(r"^model name\s*:\s*(.*)$", text, re.M)
-        model = m.group(1).strip() if m else ""
-        m = re.search(r"^cpu MHz\s*:\s*([\d.]+)", text, re.M)
-        if m:
-            mhz, source = float(m.group(1)), "/proc/cpuinfo cpu MHz"
-    except OSError:
-        pass
+    cpu = _machine.read_cpuinfo(cpuinfo_path)
+    flags, model, mhz, source = cpu.flags, cpu.model, 0.0, ""
+    if cpu.mhz is not None:
+        mhz, source = cpu.mhz, "/proc/cpuinfo cpu MHz"
     try:
         with open(sys_freq_path) as f:
             mhz, source = int(f.read().strip()) / 1000.0, "cpuinfo_max_freq"

@@ -24,7 +24,6 @@ but the first two of each run (which include tracing). Targets: loss-based metho
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 import warnings
@@ -175,7 +174,7 @@ def run(out_dir: Path, quick: bool = False) -> dict:
     """
     import keras
 
-    from keras_fastloop.bench.harness import machine_description
+    from keras_fastloop.bench.harness import machine_description, write_report
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -251,8 +250,7 @@ def run(out_dir: Path, quick: bool = False) -> dict:
         "methods": rows,
         "markdown": markdown,
     }
-    (out_dir / f"{SUITE}.md").write_text(markdown)
-    (out_dir / f"{SUITE}.json").write_text(json.dumps(result, indent=2))
+    write_report(out_dir, SUITE, markdown, result)  # strict JSON: NaN -> null
     _plot(rows, out_dir / f"{SUITE}.png", config)
     return result
 

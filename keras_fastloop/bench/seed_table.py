@@ -1,7 +1,8 @@
 """The seed's ablation table, measured: ``keras-fastloop bench --suite seed-table``.
 
-The seed article (``/work/shared/seed``) claims, on a V100 with ResNet-50 / CIFAR-10, speed-up
-and memory saved per strategy: basic custom loop 15% / 5%; mixed precision 45% / 35%; dynamic
+The seed article, “TensorFlow 2.x custom training loops in practice: deep optimization
+strategies that make the loss fall 15% faster” (in Chinese; ``harness.SEED_ARTICLE``), claims,
+on a V100 with ResNet-50 / CIFAR-10, speed-up and memory saved per strategy: basic custom loop 15% / 5%; mixed precision 45% / 35%; dynamic
 batching 23% / 12%; gradient clipping 18% / –; all combined 62% / 42%. This suite measures the
 same rows with our own implementation, side by side (contenders alternate, several rounds,
 medians), from identical initial weights:
@@ -46,12 +47,11 @@ import tensorflow as tf
 
 from keras_fastloop import mixed_precision
 from keras_fastloop.bench import flops, harness
-from keras_fastloop.bench.default import EpochTimer
 from keras_fastloop.model import OptimizedModel
 
 LEARNING_RATE = 1e-3
 
-# row -> (claimed speed-up %, claimed memory saved % or None), NOTES.md section 5.
+# row -> (claimed speed-up %, claimed memory saved % or None), the seed article's results table.
 SEED_CLAIMS = {
     "baseline: keras.Model.fit": (0, 0),
     "custom step (OptimizedModel)": (15, 5),
@@ -227,7 +227,7 @@ def _contender(profile, config, mixed_policy):
             fit_kwargs = dict(
                 epochs=run.epochs,
                 validation_data=(profile.x_val, profile.y_val),
-                callbacks=[EpochTimer(run, len(profile.x))],
+                callbacks=[harness.EpochTimer(run, len(profile.x))],
                 verbose=0,
             )
             if seed_pipeline:
@@ -385,7 +385,7 @@ def run(out_dir: Path, quick: bool = False, profile: str = "cpu", progress=print
         + f"\n\nAuto precision: `{choice.policy}` (hardware rule `{choice.recommended}`, timed "
         f"once in {confirm_seconds:.1f} s: {timed or 'not timed'}); mixed precision row vs "
         f"custom step: **{mp_vs_fp32:.2f}x** throughput.\n\n"
-        "Seed claims: ResNet-50 / CIFAR-10 on a V100 (NOTES.md). Dynamic batching on "
+        f"Seed claims: ResNet-50 / CIFAR-10 on a V100 ({harness.SEED_ARTICLE}). Dynamic batching on "
         "fixed-size images is padded batching with a prefetching, autotuned tf.data pipeline "
         "(nothing to pad); length bucketing only pays on variable-length data.\n"
     )

@@ -22,13 +22,12 @@ from collections.abc import Callable
 import keras
 import tensorflow as tf
 
+from keras_fastloop import _validation
+from keras_fastloop._warnings import FastloopWarning
+
 __all__ = ["ThroughputMonitor", "MemoryMonitor", "ProfilerWindow"]
 
 _MIB = float(2**20)
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 # --------------------------------------------------------------------------------------------
@@ -77,12 +76,14 @@ class ThroughputMonitor(keras.callbacks.Callback):
             Defaults to `None`.
         log_every_n_steps: int or None, window length in steps for batch-level values; `None`
             logs per epoch only. Defaults to `None`.
-        clock: callable returning seconds as a float; inject a fake clock in tests. Defaults to
-            `time.perf_counter`.
+        timer: callable returning seconds as a float; inject a fake timer in tests. Defaults to
+            `time.perf_counter` (the name `timer` is the one of `set_recommended_policy`,
+            `tuning.recommended_setup` and Python's `timeit`).
+        clock: deprecated alias of `timer` (a `DeprecationWarning`). Defaults to `None`.
 
     Raises:
-        ValueError: if `batch_size` or `log_every_n_steps` is not a positive int or None, or
-            `clock` is not callable.
+        ValueError: if `batch_size` or `log_every_n_steps` is not a positive int or None,
+            `timer` is not callable, or both `timer` and `clock` are given.
 
     Example:
 
@@ -95,25 +96,33 @@ class ThroughputMonitor(keras.callbacks.Callback):
         self,
         batch_size: int | None = None,
         log_every_n_steps: int | None = None,
-        clock: Callable[[], float] = time.perf_counter,
+        timer: Callable[[], float] | None = None,
+        *,
+        clock: Callable[[], float] | None = None,
     ):
         super().__init__()
-        if batch_size is not None and (not _is_int(batch_size) or batch_size < 1):
-            raise ValueError(
-                f"`batch_size` must be a positive int or None. Received: batch_size={batch_size!r}"
+        batch_size = _validation.check_int("batch_size", batch_size, minimum=1, allow_none=True)
+        log_every_n_steps = _validation.check_int(
+            "log_every_n_steps", log_every_n_steps, minimum=1, allow_none=True
+        )
+        if clock is not None:
+            if timer is not None:
+                raise ValueError(
+                    "Pass `timer` only (`clock` is its deprecated alias). "
+                    f"Received: timer={timer!r}, clock={clock!r}"
+                )
+            warnings.warn(
+                "`ThroughputMonitor(clock=...)` is deprecated; use `timer=...`.",
+                DeprecationWarning,
+                stacklevel=2,
             )
-        if log_every_n_steps is not None and (
-            not _is_int(log_every_n_steps) or log_every_n_steps < 1
-        ):
-            raise ValueError(
-                "`log_every_n_steps` must be a positive int or None. "
-                f"Received: log_every_n_steps={log_every_n_steps!r}"
-            )
-        if not callable(clock):
-            raise ValueError(f"`clock` must be callable. Received: clock={clock!r}")
+            timer, name = clock, "clock"
+        else:
+            timer, name = (time.perf_counter if timer is None else timer), "timer"
+        _validation.check_callable(name, timer)
         self.batch_size = batch_size
         self.log_every_n_steps = log_every_n_steps
-        self.clock = clock
+        self.timer = timer
         self._counter = None
         self._mark = None
         self._pause_start = None
@@ -140,7 +149,7 @@ class ThroughputMonitor(keras.callbacks.Callback):
             warnings.warn(
                 "ThroughputMonitor cannot tell the batch size (no `batch_size` argument and no "
                 "`loss` tracker on the model); only `step_time_ms` will be logged.",
-                UserWarning,
+                FastloopWarning,
                 stacklevel=2,
             )
         self._traced = False
@@ -155,11 +164,11 @@ class ThroughputMonitor(keras.callbacks.Callback):
 
     def on_train_batch_begin(self, batch, logs=None):
         if self._mark is None:  # first call of the epoch starts the clock
-            self._mark = self.clock()
+            self._mark = self.timer()
             self._mark_samples = self._samples_seen()
 
     def on_train_batch_end(self, batch, logs=None):
-        now = self.clock()
+        now = self.timer()
         steps = int(batch) - self._last_batch
         self._last_batch = int(batch)
         seconds = now - self._mark
@@ -187,11 +196,11 @@ class ThroughputMonitor(keras.callbacks.Callback):
 
     def on_test_begin(self, logs=None):
         if self._mark is not None:  # validation inside a training epoch
-            self._pause_start = self.clock()
+            self._pause_start = self.timer()
 
     def on_test_end(self, logs=None):
         if self._pause_start is not None and self._mark is not None:
-            self._mark += self.clock() - self._pause_start
+            self._mark += self.timer() - self._pause_start
         self._pause_start = None
 
     def on_epoch_end(self, epoch, logs=None):
@@ -386,15 +395,13 @@ class ProfilerWindow(keras.callbacks.Callback):
 
     def __init__(self, start_step: int, stop_step: int, logdir):
         super().__init__()
-        if not _is_int(start_step) or start_step < 1:
+        start_step = _validation.check_int("start_step", start_step, minimum=1)
+        if not _validation.is_int(stop_step) or stop_step < start_step:
             raise ValueError(
-                f"`start_step` must be an int >= 1. Received: start_step={start_step!r}"
-            )
-        if not _is_int(stop_step) or stop_step < start_step:
-            raise ValueError(
-                "`stop_step` must be an int >= `start_step`. "
+                "`stop_step` must be an integer >= `start_step`. "
                 f"Received: start_step={start_step!r}, stop_step={stop_step!r}"
             )
+        stop_step = int(stop_step)
         if logdir is None or not os.fspath(logdir):
             raise ValueError(
                 f"`logdir` must be a non-empty directory path. Received: logdir={logdir!r}"
@@ -442,7 +449,7 @@ class ProfilerWindow(keras.callbacks.Callback):
             except Exception as e:  # noqa: BLE001 - e.g. another profiler already running
                 warnings.warn(
                     f"ProfilerWindow could not start the profiler ({e}); no trace recorded.",
-                    UserWarning,
+                    FastloopWarning,
                     stacklevel=2,
                 )
                 self._done = True
@@ -462,7 +469,7 @@ class ProfilerWindow(keras.callbacks.Callback):
             warnings.warn(
                 f"ProfilerWindow: training ended after {self._completed} steps, before "
                 f"start_step={self.start_step}; no trace recorded.",
-                UserWarning,
+                FastloopWarning,
                 stacklevel=2,
             )
 

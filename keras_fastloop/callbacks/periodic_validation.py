@@ -23,15 +23,13 @@ import os
 
 import keras
 
+from keras_fastloop import _validation
+
 __all__ = ["PeriodicValidation"]
 
 # Plain attributes of stock monitoring callbacks (EarlyStopping, ReduceLROnPlateau,
 # ModelCheckpoint) that together are their resumable state.
 _MONITOR_STATE_ATTRIBUTES = ("best", "wait", "cooldown_counter", "best_epoch", "stopped_epoch")
-
-
-def _is_positive_int(value):
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value > 0
 
 
 def _to_python(value):
@@ -194,22 +192,28 @@ class PeriodicValidation(keras.callbacks.Callback):
                 "Exactly one of `every_n_steps` and `every_n_epochs` must be set. "
                 f"Received: every_n_steps={every_n_steps}, every_n_epochs={every_n_epochs}"
             )
-        for name, value in (
-            ("every_n_steps", every_n_steps),
-            ("every_n_epochs", every_n_epochs),
-            ("validation_steps", validation_steps),
-            ("batch_size", batch_size),
-        ):
-            if value is not None and not _is_positive_int(value):
-                raise ValueError(
-                    f"`{name}` must be None or an integer > 0. Received: {name}={value!r}"
-                )
+        every_n_steps, every_n_epochs, validation_steps, batch_size = (
+            _validation.check_int(
+                name, value, minimum=1, allow_none=True, requirement="None or an integer > 0"
+            )
+            for name, value in (
+                ("every_n_steps", every_n_steps),
+                ("every_n_epochs", every_n_epochs),
+                ("validation_steps", validation_steps),
+                ("batch_size", batch_size),
+            )
+        )
         if not isinstance(validate_at_end, bool):
             raise ValueError(
                 f"`validate_at_end` must be a bool. Received: validate_at_end={validate_at_end!r}"
             )
-        if verbose not in (0, 1):
-            raise ValueError(f"`verbose` must be 0 or 1. Received: verbose={verbose!r}")
+        _validation.check(
+            isinstance(verbose, numbers.Integral) and verbose in (0, 1),
+            "verbose",
+            "0 or 1",
+            verbose,
+        )
+        verbose = int(verbose)
         if backup_dir is not None and (
             not isinstance(backup_dir, (str, os.PathLike)) or not os.fspath(backup_dir)
         ):

@@ -1,24 +1,16 @@
 """Length bucketing for variable-length sequences, on top of tf.data's `bucket_by_sequence_length`.
 
-Boundary semantics (read this first). Here a bucket boundary is the *inclusive* maximum length of
-its bucket, and with `pad_to_bucket_boundary=True` every batch of the bucket is padded to exactly
-that boundary: with `bucket_boundaries=[16, 32]` lengths 0..16 are padded to 16 and lengths 17..32
-to 32. `tf.data.Dataset.bucket_by_sequence_length` itself uses *exclusive* upper bounds (bucket
-`[b_{i-1}, b_i)`), pads to `b_i - 1` and fails with an assertion in the middle of iteration when
-an element has length `>= max(bucket_boundaries)`. This module passes `b + 1` for every
-boundary `b` to tf.data, so the padded shapes are the boundaries the user wrote, and it makes sure
-(at build time) that no element reaches tf.data's last, open-ended bucket: sequences longer than
-the last boundary either get an extra bucket ending at the longest length found
-(`on_overflow="extend"`) or raise a `ValueError` when the dataset is built (`on_overflow="error"`).
+A bucket boundary is the *inclusive* maximum length of its bucket, and with
+`pad_to_bucket_boundary=True` every batch of the bucket is padded to exactly that boundary: with
+`bucket_boundaries=[16, 32]` lengths 0..16 are padded to 16 and lengths 17..32 to 32 (tf.data's
+own boundaries are exclusive). Sequences longer than the last boundary get an extra bucket
+ending at the longest length found (`on_overflow="extend"`) or raise a `ValueError` when the
+dataset is built (`on_overflow="error"`).
 
-Default boundaries. Without `bucket_boundaries`, boundaries are the token-weighted quantiles of
-the scanned lengths (`quantile_boundaries`, 16 buckets): each bucket holds about the same share
-of the *tokens*, so buckets are dense where padding costs the most. On the project's own
-variable-length data (`load_stdlib_code()`, batch 32) that pads 10.5 % of the tokens, against
-58.9 % with 4 sequence-count quantiles (the previous default) and 9.7 % with
-`geometric_boundaries` (18 buckets). Known length. When the build-time scan read the whole
-dataset, the number of batches is known and declared (`assert_cardinality`), so Keras' `fit`
-and `evaluate` know the epoch length.
+Without `bucket_boundaries`, boundaries are the token-weighted quantiles of the scanned lengths
+(`quantile_boundaries`, 16 buckets). When the build-time scan read the whole dataset, the number
+of batches is declared, so `fit` and `evaluate` know the epoch length. Measurements and the
+mapping onto tf.data: `docs/design.md`, section "Length bucketing".
 """
 
 from __future__ import annotations
@@ -30,6 +22,9 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 import tensorflow as tf
+
+from keras_fastloop import _validation
+from keras_fastloop._warnings import FastloopWarning
 
 __all__ = [
     "BucketPlan",
@@ -106,15 +101,33 @@ class BucketPlan:
 # --------------------------------------------------------------------------------------------
 
 
-def _is_int(value):
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+_is_int = _validation.is_int
 
 
 def _check_positive_int(name, value, allow_none=True):
-    if value is None and allow_none:
-        return
-    if not _is_int(value) or value <= 0:
-        raise ValueError(f"`{name}` must be a positive integer. Received: {name}={value!r}")
+    _validation.check_int(
+        name, value, minimum=1, allow_none=allow_none, requirement="a positive integer"
+    )
+
+
+def _element_length_func(element_length_func, length_fn, warn=True):
+    """`element_length_func`, or its deprecated alias `length_fn` (warns); checked callable."""
+    if length_fn is not None:
+        if element_length_func is not None:
+            raise ValueError(
+                "Pass `element_length_func` only (`length_fn` is its deprecated alias). "
+                f"Received: element_length_func={element_length_func!r}, length_fn={length_fn!r}"
+            )
+        if warn:
+            warnings.warn(
+                "`length_fn` is deprecated; use `element_length_func` (tf.data's name).",
+                DeprecationWarning,
+                stacklevel=3,
+            )
+        element_length_func = length_fn
+    if element_length_func is not None and not callable(element_length_func):
+        _validation.fail("element_length_func", "callable or None", element_length_func)
+    return element_length_func
 
 
 def _check_boundaries(bucket_boundaries):
@@ -310,6 +323,7 @@ def token_budget_batch_sizes(bucket_boundaries, tokens_per_batch):
         warnings.warn(
             f"Buckets with boundaries {over} are longer than tokens_per_batch={tokens_per_batch}; "
             "they get batch size 1 and exceed the token budget.",
+            FastloopWarning,
             stacklevel=2,
         )
     return sizes
@@ -450,11 +464,13 @@ def plan_buckets(
     bucket_boundaries=None,
     batch_size=None,
     tokens_per_batch=None,
-    length_fn=None,
+    element_length_func=None,
     num_buckets=None,
     num_boundary_samples=_DEFAULT_NUM_BOUNDARY_SAMPLES,
     max_length=None,
     on_overflow="extend",
+    *,
+    length_fn=None,
 ):
     """Resolves bucket boundaries and per-bucket batch sizes for a dataset, without batching.
 
@@ -483,8 +499,7 @@ def plan_buckets(
     _check_on_overflow(on_overflow)
     _check_positive_int("num_boundary_samples", num_boundary_samples, allow_none=False)
     _check_positive_int("max_length", max_length)
-    if length_fn is not None and not callable(length_fn):
-        raise ValueError(f"`length_fn` must be callable or None. Received: length_fn={length_fn!r}")
+    length_fn = _element_length_func(element_length_func, length_fn)
     if bucket_boundaries is not None:
         bounds = _check_boundaries(bucket_boundaries)
         if num_buckets is not None:
@@ -503,6 +518,7 @@ def plan_buckets(
             "The dataset is infinite and `max_length` was not given: the longest sequence is "
             f"estimated from the first {num_boundary_samples} elements; a longer one raises an "
             "InvalidArgumentError at run time. Pass `max_length` to make the bound explicit.",
+            FastloopWarning,
             stacklevel=3,
         )
 
@@ -519,7 +535,7 @@ def plan_buckets(
             raise ValueError("`dataset` must not be empty. Received: a dataset with 0 elements")
         if np.any(lengths < 0):
             raise ValueError(
-                f"`length_fn` must return non-negative lengths. Received: a length of "
+                f"`element_length_func` must return non-negative lengths. Received: a length of "
                 f"{int(lengths.min())}"
             )
         longest = int(lengths.max())
@@ -557,6 +573,7 @@ def plan_buckets(
                 f"Buckets with boundaries {over} are longer than "
                 f"tokens_per_batch={tokens_per_batch}; they get batch size 1 and exceed the "
                 "token budget.",
+                FastloopWarning,
                 stacklevel=3,
             )
     else:
@@ -581,7 +598,7 @@ def bucket_by_length(
     bucket_boundaries=None,
     batch_size=None,
     tokens_per_batch=None,
-    length_fn=None,
+    element_length_func=None,
     pad_to_bucket_boundary=True,
     padding_values=None,
     drop_remainder=False,
@@ -592,6 +609,8 @@ def bucket_by_length(
     max_length=None,
     on_overflow="extend",
     prefetch=True,
+    *,
+    length_fn=None,
 ):
     """Groups sequences of similar length into padded batches (`bucket_by_sequence_length`).
 
@@ -615,9 +634,10 @@ def bucket_by_length(
             bucket. Exactly one of `batch_size` and `tokens_per_batch` must be given.
         tokens_per_batch: positive int or None (default). Token budget per padded batch; bucket
             `i` gets `max(1, tokens_per_batch // bucket_boundaries[i])` sequences.
-        length_fn: callable or None (default). Maps one element (the whole element, tuple or
-            dict) to its length as a scalar int tensor. Default: the first-axis length of the
-            first tensor in `x` (in `tf.nest.flatten` order) whose first axis is variable.
+        element_length_func: callable or None (default). Maps one element (the whole element,
+            tuple or dict) to its length as a scalar int tensor, as in tf.data's
+            `bucket_by_sequence_length`. Default: the first-axis length of the first tensor in
+            `x` (in `tf.nest.flatten` order) whose first axis is variable.
         pad_to_bucket_boundary: bool, default True. Pad every variable axis to the bucket
             boundary (bounded number of shapes); if False, pad to the longest in each batch.
         padding_values: scalar, nested structure matching the elements, or None (default:
@@ -641,6 +661,7 @@ def bucket_by_length(
             or raise `ValueError`. A longer sequence that the scan could not see (infinite or
             larger-than-`num_boundary_samples` datasets) fails at run time with an
             `InvalidArgumentError` naming the length and the boundary.
+        length_fn: deprecated alias of `element_length_func` (a `DeprecationWarning`).
         prefetch: bool, default True. Append `prefetch(tf.data.AUTOTUNE)`.
 
     Returns:
@@ -687,7 +708,7 @@ def bucket_by_length(
         bucket_boundaries=bucket_boundaries,
         batch_size=batch_size,
         tokens_per_batch=tokens_per_batch,
-        length_fn=length_fn,
+        element_length_func=_element_length_func(element_length_func, length_fn),
         num_buckets=num_buckets,
         num_boundary_samples=num_boundary_samples,
         max_length=max_length,
@@ -696,7 +717,7 @@ def bucket_by_length(
     return apply_bucket_plan(
         dataset,
         plan,
-        length_fn=length_fn,
+        element_length_func=_element_length_func(element_length_func, length_fn, warn=False),
         pad_to_bucket_boundary=pad_to_bucket_boundary,
         padding_values=padding_values,
         drop_remainder=drop_remainder,
@@ -709,13 +730,15 @@ def bucket_by_length(
 def apply_bucket_plan(
     dataset,
     plan,
-    length_fn=None,
+    element_length_func=None,
     pad_to_bucket_boundary=True,
     padding_values=None,
     drop_remainder=False,
     shuffle_buffer=None,
     seed=None,
     prefetch=True,
+    *,
+    length_fn=None,
 ):
     """Batches a dataset according to a `BucketPlan` (the second half of `bucket_by_length`).
 
@@ -737,6 +760,7 @@ def apply_bucket_plan(
     _check_positive_int("shuffle_buffer", shuffle_buffer)
     _check_not_batched(dataset)
     dataset = _densify_ragged(dataset)
+    length_fn = _element_length_func(element_length_func, length_fn)
     length_fn = length_fn or _default_length_fn(dataset.element_spec)
     bounds = plan.bucket_boundaries
     last = int(bounds[-1])

@@ -22,6 +22,8 @@ import tokenize
 import numpy as np
 import tensorflow as tf
 
+from keras_fastloop import _validation
+
 __all__ = [
     "DEFAULT_STDLIB_GROUPS",
     "OOV_ID",
@@ -207,31 +209,27 @@ def load_stdlib_code(
     >>> ds = sequences_to_dataset(data.x_train, data.y_train)
     >>> batches = bucket_by_length(ds, tokens_per_batch=4096)
     """
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 3:
-        raise ValueError(
-            f"`vocab_size` must be an integer >= 3 (pad, OOV and at least one token). "
-            f"Received: vocab_size={vocab_size!r}"
-        )
-    for name, value, allow_none in (
-        ("max_length", max_length, True),
-        ("min_length", min_length, False),
-    ):
-        if value is None and allow_none:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"`{name}` must be a positive integer. Received: {name}={value!r}")
+    vocab_size = _validation.check_int(
+        "vocab_size",
+        vocab_size,
+        minimum=3,
+        requirement="an integer >= 3 (pad, OOV and at least one token)",
+    )
+    max_length = _validation.check_int(
+        "max_length", max_length, minimum=1, allow_none=True, requirement="a positive integer"
+    )
+    min_length = _validation.check_int("min_length", min_length, minimum=1)
     if max_length is not None and max_length < min_length:
         raise ValueError(
             "`max_length` must be >= `min_length`. "
             f"Received: max_length={max_length}, min_length={min_length}"
         )
-    if not isinstance(validation_split, (int, float)) or not 0.0 < validation_split < 1.0:
+    if not _validation.is_real(validation_split) or not 0.0 < validation_split < 1.0:
         raise ValueError(
             "`validation_split` must be a float strictly between 0 and 1. "
             f"Received: validation_split={validation_split!r}"
         )
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ValueError(f"`seed` must be an integer. Received: seed={seed!r}")
+    seed = _validation.check_int("seed", seed)
     if isinstance(groups, str) or not groups or not all(isinstance(g, str) for g in groups):
         raise ValueError(
             f"`groups` must be a non-empty list of package names. Received: groups={groups!r}"

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from keras_fastloop import _validation
+
 
 def load_digits_data(image_size=16, validation_fraction=0.2, seed=0):
     """The digits data set as float32 images in [0, 1], split into train and validation.
@@ -25,11 +27,14 @@ def load_digits_data(image_size=16, validation_fraction=0.2, seed=0):
             ``validation_fraction`` is outside (0, 1).
         ImportError: if scikit-learn is not installed (``pip install keras-fastloop[bench]``).
     """
-    if not isinstance(image_size, int) or image_size < 8 or image_size % 8:
-        raise ValueError(
-            f"`image_size` must be a positive multiple of 8. Received: image_size={image_size!r}"
-        )
-    if not 0 < validation_fraction < 1:
+    _validation.check(
+        _validation.is_int(image_size) and image_size >= 8 and image_size % 8 == 0,
+        "image_size",
+        "a positive multiple of 8",
+        image_size,
+    )
+    image_size = int(image_size)
+    if not (_validation.is_real(validation_fraction) and 0 < validation_fraction < 1):
         raise ValueError(
             "`validation_fraction` must be in (0, 1). "
             f"Received: validation_fraction={validation_fraction!r}"

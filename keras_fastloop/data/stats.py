@@ -7,6 +7,7 @@ import dataclasses
 import numpy as np
 import tensorflow as tf
 
+from keras_fastloop import _validation
 from keras_fastloop.data.bucketing import _features_of
 
 __all__ = ["PaddingStats", "padding_stats"]
@@ -113,12 +114,13 @@ def padding_stats(
     for name, fn in (("length_fn", length_fn), ("mask_fn", mask_fn), ("sequence_fn", sequence_fn)):
         if fn is not None and not callable(fn):
             raise ValueError(f"`{name}` must be callable or None. Received: {name}={fn!r}")
-    if max_batches is not None and (
-        isinstance(max_batches, bool) or not isinstance(max_batches, int) or max_batches <= 0
-    ):
-        raise ValueError(
-            f"`max_batches` must be a positive integer or None. Received: max_batches={max_batches!r}"
-        )
+    max_batches = _validation.check_int(
+        "max_batches",
+        max_batches,
+        minimum=1,
+        allow_none=True,
+        requirement="a positive integer or None",
+    )
 
     num_batches = num_sequences = real = total = 0
     shapes = set()

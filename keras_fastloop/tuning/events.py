@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import numbers
 
+from keras_fastloop import _validation
+
 __all__ = [
     "batches_until_next_event",
     "event_periods",
@@ -36,7 +38,7 @@ _STEP_PERIOD_ATTRIBUTES = ("every_n_steps", "log_every_n_steps")
 
 
 def _positive_int(value):
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value > 0
+    return _validation.is_int(value) and value > 0
 
 
 def _step_gaps(callback, step):

@@ -9,8 +9,9 @@ dropped).
 
 from __future__ import annotations
 
-import numbers
 import statistics
+
+from keras_fastloop import _validation
 
 __all__ = ["AUTO", "StepsPerExecutionTuner", "validate_steps_per_execution"]
 
@@ -35,7 +36,7 @@ def validate_steps_per_execution(value):
     """
     if value == AUTO and isinstance(value, str):
         return value
-    if isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 1:
+    if _validation.is_int(value) and value >= 1:
         return int(value)
     raise ValueError(
         '`steps_per_execution` must be "auto" or a positive integer. '
@@ -113,42 +114,43 @@ class StepsPerExecutionTuner:
         drift_windows=2,
         max_seconds_per_execution=1.0,
     ):
-        def need(ok, name, value, what):
-            if not ok:
-                raise ValueError(f"`{name}` must be {what}. Received: {name}={value!r}")
+        need = _validation.check
 
         def is_int(v, low):
-            return isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= low
+            return _validation.is_int(v) and v >= low
 
-        need(is_int(initial, 1), "initial", initial, "an int >= 1")
+        def is_real(v):
+            return _validation.is_real(v)
+
+        need(is_int(initial, 1), "initial", "an int >= 1", initial)
         need(
             is_int(max_steps, 1) and max_steps >= initial,
             "max_steps",
-            max_steps,
             f"an int >= initial ({initial})",
+            max_steps,
         )
-        need(is_int(growth_factor, 2), "growth_factor", growth_factor, "an int >= 2")
+        need(is_int(growth_factor, 2), "growth_factor", "an int >= 2", growth_factor)
         need(
-            isinstance(min_gain, numbers.Real) and min_gain >= 0,
+            is_real(min_gain) and min_gain >= 0,
             "min_gain",
-            min_gain,
             "a number >= 0",
+            min_gain,
         )
-        need(is_int(window, 1), "window", window, "an int >= 1")
-        need(is_int(warmup_executions, 0), "warmup_executions", warmup_executions, "an int >= 0")
-        need(is_int(patience, 1), "patience", patience, "an int >= 1")
+        need(is_int(window, 1), "window", "an int >= 1", window)
+        need(is_int(warmup_executions, 0), "warmup_executions", "an int >= 0", warmup_executions)
+        need(is_int(patience, 1), "patience", "an int >= 1", patience)
         need(
-            isinstance(drift_tolerance, numbers.Real) and drift_tolerance > 0,
+            is_real(drift_tolerance) and drift_tolerance > 0,
             "drift_tolerance",
+            "a number > 0",
             drift_tolerance,
-            "a number > 0",
         )
-        need(is_int(drift_windows, 1), "drift_windows", drift_windows, "an int >= 1")
+        need(is_int(drift_windows, 1), "drift_windows", "an int >= 1", drift_windows)
         need(
-            isinstance(max_seconds_per_execution, numbers.Real) and max_seconds_per_execution > 0,
+            is_real(max_seconds_per_execution) and max_seconds_per_execution > 0,
             "max_seconds_per_execution",
-            max_seconds_per_execution,
             "a number > 0",
+            max_seconds_per_execution,
         )
         self.initial = int(initial)
         self.max_steps = int(max_steps)

@@ -7,6 +7,8 @@ import random
 import keras
 from keras import ops
 
+from keras_fastloop import _validation
+
 
 def state_variable(state, name, shape, value=0.0, dtype="float32"):
     """A non-trainable, checkpointed variable of the step's state, identical on every replica."""
@@ -34,9 +36,8 @@ def resolve_seed(seed, what="seed"):
     ``keras.utils.set_random_seed``); an int is checked and returned."""
     if seed is None:
         return random.randint(0, 2**31 - 1)
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ValueError(f"`{what}` must be None or an int. Received: {what}={seed!r}")
-    return seed
+    _validation.check(_validation.is_int(seed), what, "None or an int", seed)
+    return int(seed)
 
 
 def stateless_seed(seed, counter):
@@ -45,18 +46,16 @@ def stateless_seed(seed, counter):
 
 
 def check_positive(value, name, allow_zero=False):
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    ok = ok and (value >= 0 if allow_zero else value > 0)
-    if not ok:
-        kind = "non-negative" if allow_zero else "positive"
-        raise ValueError(f"`{name}` must be a {kind} number. Received: {name}={value!r}")
+    """`_validation.check_real` for a positive (or non-negative) number; returns a float."""
+    kind = "non-negative" if allow_zero else "positive"
+    ok = _validation.is_real(value) and (value >= 0 if allow_zero else value > 0)
+    _validation.check(ok, name, f"a {kind} number", value)
     return float(value)
 
 
 def check_positive_int(value, name):
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"`{name}` must be a positive integer. Received: {name}={value!r}")
-    return value
+    """`_validation.check_int` for a positive integer; returns a Python int."""
+    return _validation.check_int(name, value, minimum=1)
 
 
 __all__ = [
