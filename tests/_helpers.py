@@ -4,8 +4,12 @@ Test files import this module rather than `conftest`: pytest loads conftest.py u
 module name, so `import conftest` can give a second copy with a second MirroredStrategy.
 """
 
+import keras
+import numpy as np
 import pytest
 import tensorflow as tf
+
+import keras_fastloop as kf
 
 _STRATEGY = []
 
@@ -23,3 +27,18 @@ def two_replica_strategy():
     if not _STRATEGY:
         _STRATEGY.append(tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]))
     return _STRATEGY[0]
+
+
+def fresh_user_mlp():
+    """The small classifier of the fresh-user fault reports (8 inputs, 3 classes), seed 0."""
+    keras.utils.set_random_seed(0)
+    i = keras.Input((8,))
+    return kf.OptimizedModel(
+        i, keras.layers.Dense(3, activation="softmax")(keras.layers.Dense(16, activation="relu")(i))
+    )
+
+
+def fresh_user_data():
+    """64 samples for :func:`fresh_user_mlp` (inputs, integer labels), seed 0."""
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(64, 8)).astype("float32"), rng.integers(0, 3, 64)

@@ -4,6 +4,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from _helpers import fresh_user_data, fresh_user_mlp
 
 import keras_fastloop as kf
 from keras_fastloop import clipping
@@ -189,24 +190,11 @@ def test_c9_clip_after_unscaling(true_norm_factor, expected_norm):
         np.testing.assert_allclose(-update, np.concatenate([a, b]), rtol=1e-3)
 
 
-def _fresh_user_mlp():
-    keras.utils.set_random_seed(0)
-    i = keras.Input((8,))
-    return kf.OptimizedModel(
-        i, keras.layers.Dense(3, activation="softmax")(keras.layers.Dense(16, activation="relu")(i))
-    )
-
-
-def _fresh_user_data():
-    rng = np.random.default_rng(0)
-    return rng.normal(size=(64, 8)).astype("float32"), rng.integers(0, 3, 64)
-
-
 def test_autoclip_zero_gradient_batches_do_not_write_nan():
-    x, y = _fresh_user_data()
+    x, y = fresh_user_data()
     sw = np.ones(64, "float32")
     sw[:16] = 0.0  # the first batch has a zero gradient: AutoClip's first threshold is 0
-    model = _fresh_user_mlp()
+    model = fresh_user_mlp()
     model.compile(
         "sgd",
         "sparse_categorical_crossentropy",

@@ -6,6 +6,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from _helpers import fresh_user_data
 
 import keras_fastloop as kf
 
@@ -487,11 +488,6 @@ def test_c7_float32_output_under_mixed_float16():
 # ------------------------------------------------------- faults found by a fresh user
 
 
-def _fresh_user_data():
-    rng = np.random.default_rng(0)
-    return rng.normal(size=(64, 8)).astype("float32"), rng.integers(0, 3, 64)
-
-
 def test_missing_target_key_is_a_clear_error():
     keras.utils.set_random_seed(0)
     i = keras.Input((8,))
@@ -501,7 +497,7 @@ def test_missing_target_key_is_a_clear_error():
         {"cls": keras.layers.Dense(3, name="cls")(h), "reg": keras.layers.Dense(1, name="reg")(h)},
     )
     model.compile("sgd", {"cls": "sparse_categorical_crossentropy", "reg": "mse"})
-    x, y = _fresh_user_data()
+    x, y = fresh_user_data()
     with pytest.raises(
         ValueError, match=r"no entry for output 'reg'.*Received: keys=\['cls', 'regg'\]"
     ):

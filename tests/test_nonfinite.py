@@ -12,6 +12,7 @@ import re
 import keras
 import numpy as np
 import pytest
+from _helpers import fresh_user_data, fresh_user_mlp
 
 import keras_fastloop as kf
 from keras_fastloop import guards
@@ -446,24 +447,11 @@ def test_two_replicas_skip_a_batch_bad_on_one_replica_only(mixed):
 # ----------------------------------- faults found by a fresh user (were tests/test_regressions.py)
 
 
-def _fresh_user_mlp():
-    keras.utils.set_random_seed(0)
-    i = keras.Input((8,))
-    return kf.OptimizedModel(
-        i, keras.layers.Dense(3, activation="softmax")(keras.layers.Dense(16, activation="relu")(i))
-    )
-
-
-def _fresh_user_data():
-    rng = np.random.default_rng(0)
-    return rng.normal(size=(64, 8)).astype("float32"), rng.integers(0, 3, 64)
-
-
 def test_terminate_stops_one_fit_only_and_says_so(capsys):
-    x, y = _fresh_user_data()
+    x, y = fresh_user_data()
     bad = x.copy()
     bad[20, 3] = np.nan
-    model = _fresh_user_mlp()
+    model = fresh_user_mlp()
     model.compile("sgd", "sparse_categorical_crossentropy", nonfinite="terminate")
     model.fit(bad, y, batch_size=16, shuffle=False, verbose=0)
     assert "terminating training" in capsys.readouterr().out
@@ -473,8 +461,8 @@ def test_terminate_stops_one_fit_only_and_says_so(capsys):
 
 
 def test_skip_warning_on_small_epochs():
-    x, y = _fresh_user_data()
-    model = _fresh_user_mlp()
+    x, y = fresh_user_data()
+    model = fresh_user_mlp()
     model.compile("sgd", lambda yt, yp: keras.ops.mean(yp, axis=-1) * np.nan)
     with pytest.warns(UserWarning, match="were skipped"):
         model.fit(x, y, batch_size=8, epochs=1, verbose=0)

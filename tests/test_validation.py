@@ -1,8 +1,8 @@
 """One way to validate arguments: `keras_fastloop._validation`, and NumPy scalars everywhere."""
 
-import keras
 import numpy as np
 import pytest
+from _helpers import fresh_user_mlp
 
 import keras_fastloop as kf
 from keras_fastloop import _validation, mixed_precision
@@ -77,21 +77,8 @@ def test_bool_is_not_a_number_anywhere():
         mixed_precision.set_recommended_policy(steps=True)
 
 
-def _fresh_user_mlp():
-    keras.utils.set_random_seed(0)
-    i = keras.Input((8,))
-    return kf.OptimizedModel(
-        i, keras.layers.Dense(3, activation="softmax")(keras.layers.Dense(16, activation="relu")(i))
-    )
-
-
-def _fresh_user_data():
-    rng = np.random.default_rng(0)
-    return rng.normal(size=(64, 8)).astype("float32"), rng.integers(0, 3, 64)
-
-
 def test_numpy_scalars_accepted_by_compile():
-    model = _fresh_user_mlp()
+    model = fresh_user_mlp()
     model.compile(
         "sgd",
         "sparse_categorical_crossentropy",
