@@ -335,14 +335,18 @@ def test_bad_arguments_fail_at_construction(make):
         make()
 
 
+# one loss per output: Keras itself refuses one loss with two weights (`"mse"` + a weights dict)
+_MSE = {"a": "mse", "b": "mse"}
+
+
 @pytest.mark.parametrize("method_id", ["uw", "dwa", "famo", "pcgrad", "ew", "nash_mtl"])
 def test_loss_weights_that_a_method_would_ignore_are_refused(method_id):
     with pytest.raises(ValueError, match=r"`loss_weights` would be ignored .*Received: loss_w"):
-        _model().compile("sgd", "mse", loss_weights={"a": 1.0, "b": 0.5}, loss_weighting=method_id)
+        _model().compile("sgd", _MSE, loss_weights={"a": 1.0, "b": 0.5}, loss_weighting=method_id)
     with pytest.raises(ValueError, match="would be ignored"):
         weighting.check_loss_weights(weighting.get(method_id), [2.0, 1.0])
     # all ones change nothing and are accepted; so are static weights and no weights
-    _model().compile("sgd", "mse", loss_weights={"a": 1, "b": 1.0}, loss_weighting=method_id)
+    _model().compile("sgd", _MSE, loss_weights={"a": 1, "b": 1.0}, loss_weighting=method_id)
     _model().compile("sgd", "mse", loss_weighting=method_id)
     weighting.check_loss_weights(weighting.get(method_id), None)
 
