@@ -7,11 +7,13 @@ from keras_fastloop import (
     callbacks,
     clipping,
     data,
+    datasets,
     mixed_precision,
     schedules,
     tuning,
     weighting,
 )
+from keras_fastloop._step.guards import NonFiniteError
 from keras_fastloop.model import OptimizedModel, OptimizedSequential
 
 # The one place the version is written: pyproject.toml reads it (setuptools `attr:`) and so
@@ -19,12 +21,14 @@ from keras_fastloop.model import OptimizedModel, OptimizedSequential
 __version__ = "0.1.0"
 
 __all__ = [
+    "NonFiniteError",
     "OptimizedModel",
     "OptimizedSequential",
     "__version__",
     "callbacks",
     "clipping",
     "data",
+    "datasets",
     "mixed_precision",
     "schedules",
     "tuning",

@@ -15,6 +15,7 @@ element-wise clipping are those of the dense gradient; the clippers keep it spar
 from __future__ import annotations
 
 import numbers
+import re
 
 import keras
 import tensorflow as tf
@@ -329,30 +330,63 @@ class AutoClip(GradientClipping):
         return {"percentile": self.percentile, "history_size": self.history_size}
 
 
+# String ids (Keras' snake_case of the class name) of the clippers that have defaults for every
+# argument; a threshold-based clipper needs its threshold, so a bare name is refused.
+_IDS = {"adaptive_gradient_clipping": AdaptiveGradientClipping, "auto_clip": AutoClip}
+_NEED_A_THRESHOLD = {
+    "clip_by_global_norm": "ClipByGlobalNorm(clipnorm)",
+    "clip_by_norm": "ClipByNorm(clipnorm)",
+    "clip_by_value": "ClipByValue(clipvalue)",
+}
+
+
 def get(identifier):
-    """Resolve ``compile(gradient_clipping=...)`` into a clipper or ``None``.
+    """Resolve `compile(gradient_clipping=...)`, as `keras.losses.get` resolves a loss.
 
     Args:
-        identifier: ``None``; a positive float (global-norm clipping at that value); a
-            :class:`GradientClipping` instance; or a config dict from ``keras.saving``.
+        identifier: `None` (no clipping); a positive float (global-norm clipping at that
+            value, numpy scalars included); a string id, `"auto_clip"` or
+            `"adaptive_gradient_clipping"` (the class name also works), built with its
+            defaults; a `GradientClipping` instance; or a config dict from `keras.saving`.
 
     Returns:
-        A :class:`GradientClipping` instance or ``None``.
+        A `GradientClipping` instance, or `None` for `None`.
 
     Raises:
-        ValueError: for a non-positive number.
+        ValueError: for a non-positive number, an unknown string id, or the id of a clipper
+            that needs a threshold (`"clip_by_global_norm"`: pass the number instead).
         TypeError: for anything else.
     """
     if identifier is None or isinstance(identifier, GradientClipping):
         return identifier
     if isinstance(identifier, numbers.Real) and not isinstance(identifier, bool):
         return ClipByGlobalNorm(identifier)
+    if isinstance(identifier, str):
+        key = _snake_case(identifier)
+        if key in _IDS:
+            return _IDS[key]()
+        if key in _NEED_A_THRESHOLD:
+            raise ValueError(
+                f"`gradient_clipping={identifier!r}` needs its threshold: pass "
+                f"`{_NEED_A_THRESHOLD[key]}` (or a float for global-norm clipping). "
+                f"Received: gradient_clipping={identifier!r}"
+            )
+        raise ValueError(
+            f"Unknown `gradient_clipping` id. Expected one of {sorted(_IDS)}, a float or a "
+            f"keras_fastloop.clipping object. Received: gradient_clipping={identifier!r}"
+        )
     if isinstance(identifier, dict):
         obj = keras.saving.deserialize_keras_object(identifier)
         if isinstance(obj, GradientClipping):
             return obj
     raise TypeError(
-        "`gradient_clipping` must be None, a positive float (global-norm threshold) or a "
-        "keras_fastloop.clipping object (ClipByGlobalNorm, ClipByNorm, ClipByValue, "
-        f"AdaptiveGradientClipping, AutoClip). Received: gradient_clipping={identifier!r}"
+        "`gradient_clipping` must be None, a positive float (global-norm threshold), a string id "
+        f"({', '.join(sorted(_IDS))}) or a keras_fastloop.clipping object (ClipByGlobalNorm, "
+        "ClipByNorm, ClipByValue, AdaptiveGradientClipping, AutoClip). "
+        f"Received: gradient_clipping={identifier!r}"
     )
+
+
+def _snake_case(name):
+    """`"AutoClip"` -> `"auto_clip"`; snake_case ids are returned unchanged."""
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()

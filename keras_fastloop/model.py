@@ -1,6 +1,6 @@
 """OptimizedModel and OptimizedSequential: Keras' model classes with the trainer mixin.
 
-The step itself lives in :mod:`keras_fastloop.trainer`; this module only combines it with
+The step itself lives in :mod:`keras_fastloop._trainer`; this module only combines it with
 ``keras.Model`` (functional and subclassed) and ``keras.Sequential``.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 import keras
 
 from keras_fastloop import _keras_internals as internals
-from keras_fastloop.trainer import OptimizedTrainer
+from keras_fastloop._trainer import OptimizedTrainer
 
 __all__ = ["OptimizedModel", "OptimizedSequential"]
 

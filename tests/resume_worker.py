@@ -8,7 +8,7 @@ Usage: ``python tests/resume_worker.py CONFIG_JSON``. The config holds:
 - ``backup_dir``: the ``BackupAndRestore`` directory (``save_freq`` = ``save_freq`` batches).
 - ``kill_after``: global batch count (1-based, over all epochs) after whose end the process kills
   itself with SIGKILL (after ``BackupAndRestore`` has had its turn), or ``null``.
-- ``exact``: keep OptimizedModel's mid-epoch resume (``keras_fastloop.resume``); ``false`` switches it
+- ``exact``: keep OptimizedModel's mid-epoch resume (``keras_fastloop._resume``); ``false`` switches it
   off in this process, to show stock Keras' behaviour.
 - ``epochs``, ``steps_per_execution``, ``save_freq``.
 
@@ -29,7 +29,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import keras_fastloop as kf  # noqa: E402
-from keras_fastloop import fit_loop  # noqa: E402
+from keras_fastloop import _fit_loop as fit_loop  # noqa: E402
 
 NUM_SAMPLES, BATCH_SIZE = 48, 4
 

@@ -205,3 +205,34 @@ def test_autoclip_zero_gradient_batches_do_not_write_nan():
     assert all(np.isfinite(w).all() for w in model.get_weights())
     assert np.isfinite(history.history["loss"]).all()
     assert history.history["skipped_steps"][-1] == 0
+
+
+def test_get_resolves_like_keras_losses_get():
+    """One behaviour for `clipping.get` and `weighting.get` (as `keras.losses.get`)."""
+    assert clipping.get(None) is None and kf.weighting.get(None) is None
+    assert isinstance(clipping.get("auto_clip"), clipping.AutoClip)
+    assert isinstance(clipping.get("AutoClip"), clipping.AutoClip)
+    agc = clipping.get("adaptive_gradient_clipping")
+    assert isinstance(agc, clipping.AdaptiveGradientClipping) and agc.clip_factor == 0.01
+    by_norm = clipping.get(np.float32(2.0))
+    assert isinstance(by_norm, clipping.ClipByGlobalNorm) and by_norm.clipnorm == 2.0
+    clipper = clipping.ClipByNorm(1.0)
+    assert clipping.get(clipper) is clipper
+    assert isinstance(kf.weighting.get("uw"), kf.weighting.UncertaintyWeighting)
+    with pytest.raises(ValueError, match=r"needs its threshold.*ClipByGlobalNorm\(clipnorm\)"):
+        clipping.get("clip_by_global_norm")
+    with pytest.raises(ValueError, match=r"Unknown `gradient_clipping` id.*Received: gradient_cl"):
+        clipping.get("autoclipp")
+    with pytest.raises(ValueError, match="Unknown `loss_weighting` id"):
+        kf.weighting.get("uww")
+    with pytest.raises(TypeError, match="Received: gradient_clipping=True"):
+        clipping.get(True)
+
+
+def test_string_clipping_id_in_compile():
+    inputs = keras.Input((2,))
+    model = kf.OptimizedModel(inputs, keras.layers.Dense(1)(inputs))
+    model.compile("sgd", "mse", gradient_clipping="auto_clip")
+    assert isinstance(model.gradient_clipping, clipping.AutoClip)
+    model.compile("sgd", "mse", loss_weighting=None)  # None: Keras' fixed loss_weights
+    assert isinstance(model.loss_weighting, kf.weighting.Static)

@@ -1,4 +1,4 @@
-"""Tests for keras_fastloop.data.datasets (standard-library source code as a text data set)."""
+"""Tests for keras_fastloop.datasets.stdlib_code (standard-library source code as a text data set)."""
 
 import collections
 
@@ -6,21 +6,21 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from keras_fastloop.data import datasets
 from keras_fastloop.data.bucketing import (
     bucket_by_length,
     geometric_boundaries,
     quantile_boundaries,
 )
-from keras_fastloop.data.datasets import (
+from keras_fastloop.data.sequences import sequences_to_dataset
+from keras_fastloop.data.stats import padding_stats
+from keras_fastloop.datasets import stdlib_code as datasets
+from keras_fastloop.datasets.stdlib_code import (
     DEFAULT_STDLIB_GROUPS,
     OOV_ID,
     PAD_ID,
     load_stdlib_code,
-    sequences_to_dataset,
     tokenize_source,
 )
-from keras_fastloop.data.stats import padding_stats
 
 
 @pytest.fixture(scope="module")

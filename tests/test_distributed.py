@@ -15,8 +15,8 @@ import tensorflow as tf
 from _helpers import two_replica_strategy
 
 import keras_fastloop as kf
-from keras_fastloop import distributed
 from keras_fastloop import weighting as weighting_module
+from keras_fastloop._step import distributed
 
 pytestmark = pytest.mark.distributed
 
@@ -298,7 +298,7 @@ def _collective_ops(model, dataset):
 
 def test_one_small_all_reduce_more_than_plain_fit():
     """The gradients' all-reduce (as Keras) plus one small one: every task's loss denominator,
-    the batch size and the losses (keras_fastloop/loss_shares.py), which makes replicas with
+    the batch size and the losses (keras_fastloop/_step/loss_shares.py), which makes replicas with
     unequal shares exact and also serves the loss-scale check (no third collective)."""
     strategy = _two_replicas()
     x, y, sw = _data(n=16)

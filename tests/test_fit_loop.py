@@ -1,4 +1,4 @@
-"""The fit loop (keras_fastloop/fit_loop.py): features that compose, with the figures of issue 13.
+"""The fit loop (keras_fastloop/_fit_loop.py): features that compose, with the figures of issue 13.
 
 Each test compares against the reference run (uninterrupted, ``steps_per_execution=1``): exact
 optimizer step counts and weights. ``"auto"`` runs use a fake clock on which every execution
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from keras_fastloop import fit_loop
+from keras_fastloop import _fit_loop as fit_loop
 from keras_fastloop.callbacks import PeriodicValidation, ProfilerWindow
 from keras_fastloop.model import OptimizedModel
 from keras_fastloop.tuning import StepsPerExecutionTuner

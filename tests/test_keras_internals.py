@@ -8,7 +8,7 @@ import inspect
 import keras
 import tensorflow as tf
 
-# ------------------------------------------------------------- keras_fastloop/distributed.py
+# ------------------------------------------------------------- keras_fastloop/_step/distributed.py
 
 
 def _tf_optimizer_class():
@@ -115,7 +115,7 @@ def test_every_keras_internal_we_use_still_exists_with_its_signature():
     assert kf.OptimizedModel.__bases__[-1] is keras.Model
 
 
-# --------------------------------------------- keras_fastloop/fit_loop.py, resume.py, tuning/
+# --------------------------------------------- keras_fastloop/_fit_loop.py, resume.py, tuning/
 
 
 def test_epoch_iterator_seams_of_the_fit_loop():

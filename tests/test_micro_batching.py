@@ -11,7 +11,7 @@ import tensorflow as tf
 from _helpers import two_replica_strategy
 
 import keras_fastloop as kf
-from keras_fastloop import distributed, micro_batching
+from keras_fastloop._step import distributed, micro_batching
 
 ATOL = 1e-6
 

@@ -1,4 +1,4 @@
-"""Fault injection for ``compile(nonfinite="skip"|"raise"|"terminate")`` (keras_fastloop.guards).
+"""Fault injection for ``compile(nonfinite="skip"|"raise"|"terminate")`` (keras_fastloop._step.guards).
 
 The model has two outputs fed by disjoint input columns, with one loss each. A NaN written into
 input column 3 of one sample makes the total loss NaN but, since the gradient of a sum is 1 for
@@ -15,7 +15,7 @@ import pytest
 from _helpers import fresh_user_data, fresh_user_mlp
 
 import keras_fastloop as kf
-from keras_fastloop import guards
+from keras_fastloop._step import guards
 
 BATCH = 2
 

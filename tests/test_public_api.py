@@ -8,12 +8,14 @@ import keras_fastloop as kf
 def test_top_level_all():
     assert sorted(kf.__all__) == sorted(
         [
+            "NonFiniteError",
             "OptimizedModel",
             "OptimizedSequential",
             "__version__",
             "callbacks",
             "clipping",
             "data",
+            "datasets",
             "mixed_precision",
             "schedules",
             "tuning",
@@ -42,9 +44,27 @@ def test_submodule_exports():
         "ProfilerWindow",
         "ThroughputMonitor",
     }
-    assert {"bucket_by_length", "padding_stats", "load_stdlib_code", "load_digits_data"} <= set(
-        kf.data.__all__
-    )
+    assert set(kf.data.__all__) == {
+        "BucketPlan",
+        "PaddingStats",
+        "apply_bucket_plan",
+        "bucket_by_length",
+        "geometric_boundaries",
+        "padding_stats",
+        "plan_buckets",
+        "quantile_boundaries",
+        "sequences_to_dataset",
+        "token_budget_batch_sizes",
+    }
+    assert set(kf.datasets.__all__) == {
+        "DEFAULT_STDLIB_GROUPS",
+        "OOV_ID",
+        "PAD_ID",
+        "StdlibCode",
+        "load_digits_data",
+        "load_stdlib_code",
+        "tokenize_source",
+    }
     assert {"WarmupCosineDecayRestarts"} <= set(kf.schedules.__all__)
     assert {"recommended_policy", "set_recommended_policy", "check_output_dtypes"} <= set(
         kf.mixed_precision.__all__
@@ -57,6 +77,7 @@ def test_submodule_exports():
         kf.clipping,
         kf.callbacks,
         kf.data,
+        kf.datasets,
         kf.schedules,
         kf.mixed_precision,
         kf.weighting,
@@ -86,3 +107,34 @@ def test_ships_py_typed():
     from pathlib import Path
 
     assert (Path(kf.__file__).parent / "py.typed").is_file()
+
+
+# What a user imports. Everything else under keras_fastloop has a private (underscore) name,
+# so a new module is either added here on purpose or named as an internal.
+PUBLIC_MODULES = {
+    "keras_fastloop.bench",  # `keras-fastloop bench` and its suites
+    "keras_fastloop.callbacks",
+    "keras_fastloop.cli",
+    "keras_fastloop.clipping",
+    "keras_fastloop.data",
+    "keras_fastloop.datasets",
+    "keras_fastloop.launch",
+    "keras_fastloop.mixed_precision",
+    "keras_fastloop.model",
+    "keras_fastloop.schedules",
+    "keras_fastloop.tuning",
+    "keras_fastloop.weighting",
+}
+
+
+def test_every_module_is_public_on_purpose_or_private_by_name():
+    import pkgutil
+
+    top_level = {info.name for info in pkgutil.iter_modules(kf.__path__, "keras_fastloop.")}
+    public = {name for name in top_level if not name.rsplit(".", 1)[1].startswith("_")}
+    assert public == PUBLIC_MODULES
+    for step_internal in ("distributed", "guards", "scaling", "losses", "state", "micro_batching"):
+        assert f"keras_fastloop.{step_internal}" not in top_level
+        assert f"keras_fastloop._step.{step_internal}" in {
+            info.name for info in pkgutil.iter_modules(kf._step.__path__, "keras_fastloop._step.")
+        }

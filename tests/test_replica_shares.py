@@ -2,7 +2,7 @@
 
 Each replica's Keras loss divides by its own denominator (samples, real tokens under a mask, or
 the sum of its sample weights); OptimizedModel weights it by ``R * D_r / D`` (one all-reduce),
-so 1 and 2 replicas agree for any split of the global batch (keras_fastloop/loss_shares.py).
+so 1 and 2 replicas agree for any split of the global batch (keras_fastloop/_step/loss_shares.py).
 Reference: the 1-replica run on the same global batches, and hand-computed values.
 """
 

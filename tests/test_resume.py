@@ -11,7 +11,7 @@ through the weights. The data hold a NaN sample, so ``skipped_steps`` (and, unde
 precision, the halved loss scale) differ from their initial values before the kill.
 
 ``test_stock_keras_restarts_the_epoch`` documents what Keras 3.15 alone does (re-runs the
-interrupted epoch from its first batch): without ``keras_fastloop.resume`` the weights differ.
+interrupted epoch from its first batch): without ``keras_fastloop._resume`` the weights differ.
 """
 
 import json

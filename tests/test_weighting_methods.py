@@ -9,7 +9,7 @@ import tensorflow as tf
 from scipy.optimize import minimize
 
 from keras_fastloop import weighting
-from keras_fastloop.state import StepState
+from keras_fastloop._step.state import StepState
 from keras_fastloop.weighting import gradient_based as gb
 
 

@@ -1,7 +1,7 @@
 """``keras-fastloop bench --suite bucketing``: padding strategies on real variable-length data.
 
 Data: the functions and methods of the Python standard library's own source
-(:func:`keras_fastloop.data.load_stdlib_code`: real code, 6 package labels, lengths 10-508 tokens),
+(:func:`keras_fastloop.datasets.load_stdlib_code`: real code, 6 package labels, lengths 10-508 tokens),
 no download. Model: token embedding (``mask_zero=True``) -> two per-token ``Dense(128)`` layers ->
 masked global average pooling -> softmax over the packages. The mask makes the model's output
 independent of padding, so all three pipelines train the same mathematics and differ only in
@@ -29,10 +29,10 @@ from keras_fastloop.bench import harness
 from keras_fastloop.data import (
     bucket_by_length,
     geometric_boundaries,
-    load_stdlib_code,
     padding_stats,
+    sequences_to_dataset,
 )
-from keras_fastloop.data.datasets import sequences_to_dataset
+from keras_fastloop.datasets import load_stdlib_code
 
 BATCH_SIZE = 32
 

@@ -18,7 +18,7 @@ import tensorflow as tf
 from keras_fastloop import mixed_precision, tuning
 from keras_fastloop.bench import flops, harness
 from keras_fastloop.callbacks.periodic_validation import PeriodicValidation
-from keras_fastloop.data.digits import load_digits_data
+from keras_fastloop.datasets.digits import load_digits_data
 from keras_fastloop.model import OptimizedModel
 
 BATCH_SIZE = 64

@@ -146,7 +146,7 @@ class _Profile:
         self.name = profile
         rng = np.random.default_rng(0)
         if profile == "cpu":
-            from keras_fastloop.data.digits import load_digits_data
+            from keras_fastloop.datasets.digits import load_digits_data
 
             (self.x, self.y), (self.x_val, self.y_val) = load_digits_data(image_size=16)
             self.build = build_small_resnet

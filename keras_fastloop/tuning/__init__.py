@@ -7,7 +7,7 @@ one compiled execution while ``fit`` runs (Keras 2 had this; Keras 3 dropped it)
   ``(steps, seconds)`` measurements;
 - :mod:`.events`: the step events every execution ends at (step-gated callbacks);
 - :mod:`._glue`: the compile-time state and the variable-count train function; the grouping of
-  batches into executions is one of the epoch transforms of :mod:`keras_fastloop.fit_loop`;
+  batches into executions is one of the epoch transforms of :mod:`keras_fastloop._fit_loop`;
 - :mod:`.recommended`: :func:`recommended_setup` and :func:`optimize_pipeline`.
 
 The design (what Keras 3.15 allows, the grouping rule, what is not tuned) is in

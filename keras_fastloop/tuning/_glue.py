@@ -2,7 +2,7 @@
 
 Keras' multi-step ``tf.function`` has ``steps_per_execution`` baked in as a Python int; here the
 step count is a tensor argument, so one trace serves every count (``docs/fit_loop.md``). The
-grouping of batches into executions lives in :mod:`keras_fastloop.fit_loop`.
+grouping of batches into executions lives in :mod:`keras_fastloop._fit_loop`.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def auto_state(model):
 
 def tunable(model):
     """Whether ``"auto"`` may group steps: not under ``run_eagerly`` nor multi-worker."""
-    from keras_fastloop import distributed
+    from keras_fastloop._step import distributed
 
     return not model.run_eagerly and not distributed.is_multi_worker(model.distribute_strategy)
 
@@ -147,7 +147,7 @@ def make_train_function(model, keras_make_train_function, force=False):
         return keras_make_train_function(force=force)
     if model.train_function is not None and not force:
         return model.train_function
-    from keras_fastloop import distributed
+    from keras_fastloop._step import distributed
 
     model.train_function = distributed.make_function(
         model, lambda step: _variable_steps_function(model, step, state), model.train_step

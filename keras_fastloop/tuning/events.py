@@ -2,7 +2,7 @@
 
 An execution of several training steps (``steps_per_execution``) is opaque to callbacks: they
 run before and after it, never inside. Under ``steps_per_execution="auto"`` the fit loop
-(:mod:`keras_fastloop.fit_loop`) therefore ends every execution at the next step event. A
+(:mod:`keras_fastloop._fit_loop`) therefore ends every execution at the next step event. A
 callback declares its events in one of these ways (all are honoured, the nearest one wins):
 
 - a method ``steps_until_next_event(step) -> int | None``: optimizer steps from ``step``

@@ -1,7 +1,7 @@
 """The pure ``steps_per_execution`` tuner: a state machine fed with ``(steps, seconds)``.
 
 It knows no clock and no model, so tests drive it with made-up numbers. How ``fit`` uses it is in
-:mod:`keras_fastloop.fit_loop` and ``docs/fit_loop.md``.
+:mod:`keras_fastloop._fit_loop` and ``docs/fit_loop.md``.
 
 Reference: Keras 2.13 ``keras/utils/steps_per_execution_tuning.py`` (the runtime tuner Keras 3
 dropped).

@@ -56,14 +56,15 @@ def get(identifier):
             dict from ``keras.saving``.
 
     Returns:
-        A :class:`LossWeighting` instance.
+        A :class:`LossWeighting` instance, or ``None`` for ``None`` (as ``keras.losses.get``;
+        ``compile`` then uses :class:`Static`, Keras' fixed ``loss_weights``).
 
     Raises:
         ValueError: for an unknown method id.
         TypeError: for any other kind of value.
     """
     if identifier is None:
-        return Static()
+        return None
     if isinstance(identifier, LossWeighting):
         return identifier
     if isinstance(identifier, str):
@@ -94,13 +95,13 @@ def check_loss_weights(weighting, loss_weights):
     the losses are resolved.
 
     Args:
-        weighting: the :class:`LossWeighting` from :func:`get`.
+        weighting: the :class:`LossWeighting` from :func:`get` (``None``: static weights).
         loss_weights: ``compile``'s ``loss_weights``: ``None``, a float, a list or a dict.
 
     Raises:
         ValueError: ``loss_weights`` with an entry other than 1 for a method that ignores them.
     """
-    if loss_weights is None or getattr(weighting, "accepts_loss_weights", False):
+    if loss_weights is None or weighting is None or weighting.accepts_loss_weights:
         return
     if isinstance(loss_weights, dict):
         values = list(loss_weights.values())

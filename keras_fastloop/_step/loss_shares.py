@@ -17,7 +17,7 @@ So for any split of the batch into parts ``p`` (micro-batches, or the shards of 
 
 Every part's own Keras loss ``L_p`` is weighted by its *share* ``D_p / D`` of the whole
 denominator. ``"sum"`` is not divided: ``L = sum_p L_p`` (share 1). :func:`denominator` gives
-``D_p`` for one task's term; :mod:`keras_fastloop.micro_batching` uses it for micro-batches and
+``D_p`` for one task's term; :mod:`keras_fastloop._step.micro_batching` uses it for micro-batches and
 :func:`sync_replicas` for replicas.
 
 **Replicas.** Under ``tf.distribute`` each replica's Keras loss is ``(N_r / D_r) / R``
@@ -38,7 +38,7 @@ import tensorflow as tf
 from keras import ops
 
 from keras_fastloop import _keras_internals as internals
-from keras_fastloop import distributed
+from keras_fastloop._step import distributed
 
 DIVIDING_REDUCTIONS = ("sum_over_batch_size", "mean", "mean_with_sample_weight")
 
@@ -73,7 +73,7 @@ def denominator(term, size, probe=None):
     """``D_p``: the denominator of one task's Keras loss on one part of the batch.
 
     Args:
-        term: the task's :class:`~keras_fastloop.losses.TaskTerm` on this part.
+        term: the task's :class:`~keras_fastloop._step.losses.TaskTerm` on this part.
         size: int or int32 scalar, the part's number of samples.
         probe: optional :class:`CountProbe` of the task's loss (made on demand).
 
@@ -182,7 +182,7 @@ def replica_losses(terms, extra=None):
     """The tasks' losses of one replica, as its shares of the global batch's losses.
 
     Args:
-        terms: the replica's :class:`~keras_fastloop.losses.TaskTerm` list (from the default
+        terms: the replica's :class:`~keras_fastloop._step.losses.TaskTerm` list (from the default
             ``compute_loss``).
         extra: optional float32 scalar to sum across replicas in the same all-reduce.
 

@@ -18,7 +18,7 @@ the end of the first epoch in which no batch was larger than ``micro_batch_size`
 ``"sum_over_batch_size"`` or ``"mean_with_sample_weight"`` is a ratio ``L = N / D``: ``N`` sums
 the (sample-weighted, masked) loss elements, ``D`` counts elements (``sum_over_batch_size``
 without mask), unmasked elements (with a Keras mask on the prediction) or sums sample weights
-(``mean_with_sample_weight``). Both are sums over samples (:mod:`keras_fastloop.loss_shares`
+(``mean_with_sample_weight``). Both are sums over samples (:mod:`keras_fastloop._step.loss_shares`
 holds the rule, shared with the replicas), so for micro-batch ``m``::
 
     L_full = N / D = sum_m (D_m / D) * (N_m / D_m) = sum_m share_m * L_m
@@ -43,7 +43,7 @@ PR#34191 fixed). The shares are exact, per task:
 
 **Replicas.** Under ``tf.distribute`` the shares above are of the replica's own batch; each
 replica's loss is then weighted by its share ``R * D_r / D`` of the *global* denominator
-(:func:`keras_fastloop.loss_shares.sync_replicas`, one small all-reduce before the loop), so a
+(:func:`keras_fastloop._step.loss_shares.sync_replicas`, one small all-reduce before the loop), so a
 micro-batch's weight is ``R * D_m / D`` and 1 and ``R`` replicas agree for any split of the
 global batch. A weighting that is not affine in the losses (FAMO) takes ``df/dL`` at each
 replica's own losses here (the plain path uses the global ones): an approximation, like the
@@ -86,9 +86,11 @@ import keras
 import tensorflow as tf
 from keras import ops
 
+from keras_fastloop import _fit_loop as fit_loop
 from keras_fastloop import _keras_internals as internals
-from keras_fastloop import fit_loop, loss_shares
-from keras_fastloop._step import StepResult
+from keras_fastloop._step import loss_shares
+from keras_fastloop._step.results import StepResult
+from keras_fastloop._warnings import FastloopWarning
 
 
 def validate_micro_batch_size(micro_batch_size):
@@ -131,6 +133,7 @@ def _warn_small_batch(model, samples):
         f"({model._micro_batch_size}): each batch runs as one micro-batch, so no memory is "
         "saved (training stays exact). Use a larger batch or a smaller `micro_batch_size`. "
         f"Received: micro_batch_size={model._micro_batch_size}",
+        FastloopWarning,
         stacklevel=2,
     )
 
@@ -393,7 +396,7 @@ def accumulate(model, x, y, sample_weight, variables, micro_batch_size):
             when ``k`` does not divide ``n``.
 
     Returns:
-        A :class:`~keras_fastloop._step.StepResult`: the gradient of
+        A :class:`~keras_fastloop._step.results.StepResult`: the gradient of
         ``optimizer.scale_loss(objective)`` for the whole batch (before the cross-replica sum,
         unscaling and clipping, which the step does once; ``None`` for variables no micro-batch
         reaches), the full-batch losses and weights. The compiled metrics were updated once per

@@ -5,7 +5,7 @@
 orchestrate them (each stage lives in its own module). The step, in order:
 
 unpack ``(x, y, sample_weight)`` -> forward in the tape -> ``compute_loss`` (Keras' hook: per-task
-losses from :class:`~keras_fastloop.losses.TaskLoss`, combined by the loss weighting) ->
+losses from :class:`~keras_fastloop._step.losses.TaskLoss`, combined by the loss weighting) ->
 ``optimizer.scale_loss`` -> gradients (plain or micro-batched, a :class:`StepResult` either way)
 -> variables without a gradient leave the update (as in Keras) -> sum across replicas -> unscale
 -> finite check -> clip -> ``optimizer.apply`` (skipped as a whole when not finite) -> metrics
@@ -21,23 +21,20 @@ import keras
 import tensorflow as tf
 from keras import ops
 
+from keras_fastloop import _fit_loop as fit_loop
 from keras_fastloop import _keras_internals as internals
-from keras_fastloop import clipping as clipping_module
 from keras_fastloop import (
-    distributed,
-    fit_loop,
-    guards,
-    loss_shares,
-    losses,
+    _resume,  # noqa: F401 - registers exact resume with the fit loop
     mixed_precision,
-    scaling,
     tuning,
 )
-from keras_fastloop import micro_batching as micro_batching_module
-from keras_fastloop import resume as _resume  # noqa: F401 - registers exact resume with fit_loop
+from keras_fastloop import clipping as clipping_module
 from keras_fastloop import weighting as weighting_module
-from keras_fastloop._step import LOG_METRICS, StepMetrics, StepResult
-from keras_fastloop.state import StepState
+from keras_fastloop._step import distributed, guards, loss_shares, losses, scaling
+from keras_fastloop._step import micro_batching as micro_batching_module
+from keras_fastloop._step.results import LOG_METRICS, StepMetrics, StepResult
+from keras_fastloop._step.state import StepState
+from keras_fastloop._warnings import FastloopWarning
 
 NONFINITE_POLICIES = ("skip", "raise", "terminate")
 
@@ -135,9 +132,10 @@ class OptimizedTrainer:
                 the optimizer becomes a ``LossScaleOptimizer``. ``steps_per_execution`` may also
                 be ``"auto"``: tuned while ``fit`` runs, never past a step event
                 (:mod:`keras_fastloop.tuning`).
-            gradient_clipping: ``None`` (default), a positive float (global-norm threshold) or a
-                ``keras_fastloop.clipping`` object. Applied once, to the unscaled gradient summed
-                across replicas.
+            gradient_clipping: ``None`` (default), a positive float (global-norm threshold), a
+                string id (``"auto_clip"``, ``"adaptive_gradient_clipping"``) or a
+                ``keras_fastloop.clipping`` object (see ``keras_fastloop.clipping.get``). Applied
+                once, to the unscaled gradient summed across replicas.
             loss_weighting: ``None`` (default: fixed ``loss_weights`` as in Keras, but held in a
                 variable), a method id from ``keras_fastloop.weighting.METHODS`` or a
                 ``LossWeighting`` object.
@@ -152,10 +150,10 @@ class OptimizedTrainer:
             nonfinite: what to do with a non-finite gradient: ``"skip"`` (default; skip the
                 whole update on every replica and count it in ``skipped_steps``), ``"raise"``
                 (skip the update, then ``fit``/``train_on_batch`` raise
-                ``keras_fastloop.guards.NonFiniteError`` naming the step and the first variable)
+                ``keras_fastloop.NonFiniteError`` naming the step and the first variable)
                 or ``"terminate"`` (skip the update and stop training cleanly, like
                 ``TerminateOnNaN``). Under loss scaling a non-finite loss skips the step without
-                halving the scale (see :mod:`keras_fastloop.guards`).
+                halving the scale (see :mod:`keras_fastloop._step.guards`).
             log_metrics: ``None`` (default) or a list from ``("grad_norm", "skipped_steps",
                 "loss_scale")``: extra training metrics to log. By default each is logged when
                 the feature that produces it is on (``grad_norm`` with ``gradient_clipping``;
@@ -175,7 +173,7 @@ class OptimizedTrainer:
             TypeError: an argument of the wrong kind.
         """
         clipper = clipping_module.get(gradient_clipping)
-        weighting = weighting_module.get(loss_weighting)
+        weighting = weighting_module.get(loss_weighting) or weighting_module.Static()
         weighting_module.check_loss_weights(weighting, loss_weights)
         if nonfinite not in NONFINITE_POLICIES:
             raise ValueError(
@@ -305,6 +303,11 @@ class OptimizedTrainer:
             self._step_metrics.add_weighting(names, objective=not self._loss_is_objective)
 
     # ----------------------------------------------------------------------------- properties
+
+    @property
+    def gradient_clipping(self):
+        """The :class:`~keras_fastloop.clipping.GradientClipping` in use (``None``: no clipping)."""
+        return getattr(self, "_gradient_clipping", None)
 
     @property
     def loss_weighting(self):
@@ -455,6 +458,7 @@ class OptimizedTrainer:
             warnings.warn(
                 f"{len(missing)} trainable variable(s) get no gradient from the loss and are "
                 f"left out of the update (as in keras.Model): {missing}",
+                FastloopWarning,
                 stacklevel=3,
             )
         pairs = [(g, v) for g, v in zip(grads, variables) if g is not None]
@@ -490,7 +494,7 @@ class OptimizedTrainer:
         finite = ops.isfinite(grad_norm)
         # The global-batch losses: the non-finite-loss check (same decision on every replica)
         # and the weighting's state. Per-replica losses are shares of the global losses
-        # (keras_fastloop.loss_shares), so their sum is the global loss.
+        # (keras_fastloop._step.loss_shares), so their sum is the global loss.
         lso = scaling.is_loss_scale_optimizer(self.optimizer)
         needs_global = lso or self._nonfinite != "skip" or self._loss_weighting.has_state_update
         global_losses = None
@@ -603,7 +607,7 @@ class OptimizedTrainer:
     # ---------------------------------------------------------------------------- training
 
     def fit(self, *args, **kwargs):
-        """``keras.Model.fit`` run by :mod:`keras_fastloop.fit_loop` (arguments and return as Keras').
+        """``keras.Model.fit`` run by :mod:`keras_fastloop._fit_loop` (arguments and return as Keras').
 
         It adds the internal callbacks (the weighting's, the non-finite policy's, exact
         mid-epoch resume) and, under ``steps_per_execution="auto"``, groups steps into
@@ -612,7 +616,7 @@ class OptimizedTrainer:
         return fit_loop.fit(self, super().fit, args, kwargs)
 
     def train_on_batch(self, *args, **kwargs):
-        """``keras.Model.train_on_batch``; raises ``guards.NonFiniteError`` under ``"raise"``."""
+        """``keras.Model.train_on_batch``; raises ``keras_fastloop.NonFiniteError`` under ``"raise"``."""
         logs = super().train_on_batch(*args, **kwargs)
         guards.raise_if_recorded(self)
         return logs

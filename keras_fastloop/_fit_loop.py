@@ -4,9 +4,9 @@
 other module wraps ``fit`` or patches its epoch iterator. Per ``fit`` call this module
 
 1. binds ``fit``'s arguments once (``inspect.signature(keras.Model.fit).bind``);
-2. adds the internal callbacks: those of the registered extensions (:mod:`keras_fastloop.resume`
+2. adds the internal callbacks: those of the registered extensions (:mod:`keras_fastloop._resume`
    adds the exact-resume callback after each ``BackupAndRestore(save_freq=N)``), then the
-   non-finite monitor of :mod:`keras_fastloop.guards`;
+   non-finite monitor of :mod:`keras_fastloop._step.guards`;
 3. captures ``fit``'s epoch iterator once (Keras hands it to ``_maybe_symbolic_build`` first
    thing) and replaces its ``_enumerate_iterator`` on that instance only, for the whole ``fit``,
    by the composition of its transforms, always in this order:
@@ -35,7 +35,7 @@ import numbers
 
 import keras
 
-from keras_fastloop import distributed, guards
+from keras_fastloop._step import distributed, guards
 from keras_fastloop.tuning import _glue, events
 
 __all__ = ["FitRun", "current_run", "fit", "register"]

@@ -1,7 +1,7 @@
 """The one internal contract of the training step, and the step's own metrics.
 
 Both ways of computing a batch's gradient (one pass, :meth:`OptimizedTrainer._full_batch`, or
-micro-batches, :func:`keras_fastloop.micro_batching.accumulate`) return a :class:`StepResult`;
+micro-batches, :func:`keras_fastloop._step.micro_batching.accumulate`) return a :class:`StepResult`;
 only the trainer turns it into metric updates and logs.
 """
 
@@ -36,7 +36,7 @@ class StepResult:
         undo_metrics: restores the compiled metrics when they were already updated (micro-batches)
             and the update is skipped; ``None`` when nothing needs undoing.
         global_losses: ``[loss, *task_losses]`` of the global batch when already all-reduced
-            (the plain path under ``tf.distribute``, keras_fastloop.loss_shares); ``None``: the
+            (the plain path under ``tf.distribute``, keras_fastloop._step.loss_shares); ``None``: the
             step sums the per-replica values itself.
     """
 

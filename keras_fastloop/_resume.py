@@ -2,7 +2,7 @@
 
 Keras 3.15's ``BackupAndRestore`` restores the weights saved after batch ``b`` of epoch ``e`` but
 then reruns epoch ``e`` from its first batch (``b + 1`` extra optimizer steps). With this module
-(registered with :mod:`keras_fastloop.fit_loop`, nothing to call: pass a stock
+(registered with :mod:`keras_fastloop._fit_loop`, nothing to call: pass a stock
 ``BackupAndRestore`` with an integer ``save_freq`` to ``OptimizedModel.fit``) the resumed run
 continues with batch ``b + 1`` and ends with the weights of an uninterrupted run; the backup's
 and each integer-``save_freq`` ``ModelCheckpoint``'s save points line up with the uninterrupted
@@ -26,7 +26,8 @@ import os
 
 import keras
 
-from keras_fastloop import _validation, fit_loop
+from keras_fastloop import _fit_loop as fit_loop
+from keras_fastloop import _validation
 
 __all__ = ["with_exact_resume"]
 

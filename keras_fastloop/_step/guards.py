@@ -31,6 +31,8 @@ import keras
 import tensorflow as tf
 from keras import ops
 
+from keras_fastloop._warnings import FastloopWarning
+
 SKIP_RATE_WINDOW = 100  # batches in the tests' high/low skip-rate epochs
 SKIP_RATE_WARNING = 0.2
 SKIP_RATE_MIN_SKIPS = 5
@@ -81,7 +83,7 @@ def check(policy, state, finite, loss_finite, grads, variables, iterations):
 
     Args:
         policy: ``"skip"``, ``"raise"`` or ``"terminate"``.
-        state: the model's :class:`~keras_fastloop.state.StepState`.
+        state: the model's :class:`~keras_fastloop._step.state.StepState`.
         finite: scalar bool tensor, the (cross-replica) gradient is finite.
         loss_finite: scalar bool tensor or ``None``; with loss scaling, the policy acts on it
             instead of ``finite``.
@@ -158,6 +160,7 @@ class NonFiniteMonitor(keras.callbacks.Callback):
                 f"{rate:.0%} of the last {batches} training batches had non-finite "
                 "gradients and were skipped (`skipped_steps`); check the learning rate, the "
                 "inputs and the loss.",
+                FastloopWarning,
                 stacklevel=2,
             )
 
