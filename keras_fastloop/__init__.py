@@ -1,6 +1,6 @@
 """keras_fastloop: an expert training step for Keras 3 on TensorFlow.
 
-Swap ``keras.Model`` for :class:`OptimizedModel` and keep calling ``compile``/``fit``.
+Swap `keras.Model` for `OptimizedModel` and keep calling `compile`/`fit`.
 """
 
 from keras_fastloop import (

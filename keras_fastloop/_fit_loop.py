@@ -1,31 +1,31 @@
-"""The one owner of ``OptimizedModel.fit``: arguments, internal callbacks, epoch transforms.
+"""The one owner of `OptimizedModel.fit`: arguments, internal callbacks, epoch transforms.
 
-``OptimizedModel.fit``, ``_maybe_symbolic_build`` and ``make_train_function`` delegate here; no
-other module wraps ``fit`` or patches its epoch iterator. Per ``fit`` call this module
+`OptimizedModel.fit`, `_maybe_symbolic_build` and `make_train_function` delegate here; no
+other module wraps `fit` or patches its epoch iterator. Per `fit` call this module
 
-1. binds ``fit``'s arguments once (``inspect.signature(keras.Model.fit).bind``);
-2. adds the internal callbacks: those of the registered extensions (:mod:`keras_fastloop._resume`
-   adds the exact-resume callback after each ``BackupAndRestore(save_freq=N)``), then the
-   non-finite monitor of :mod:`keras_fastloop._step.guards`;
-3. captures ``fit``'s epoch iterator once (Keras hands it to ``_maybe_symbolic_build`` first
-   thing) and replaces its ``_enumerate_iterator`` on that instance only, for the whole ``fit``,
+1. binds `fit`'s arguments once (`inspect.signature(keras.Model.fit).bind`);
+2. adds the internal callbacks: those of the registered extensions (`keras_fastloop._resume`
+   adds the exact-resume callback after each `BackupAndRestore(save_freq=N)`), then the
+   non-finite monitor of `keras_fastloop._step.guards`;
+3. captures `fit`'s epoch iterator once (Keras hands it to `_maybe_symbolic_build` first
+   thing) and replaces its `_enumerate_iterator` on that instance only, for the whole `fit`,
    by the composition of its transforms, always in this order:
 
    a. **resume skipping** (first epoch after a mid-epoch resume only): the batches already
       trained before the crash are read from the data iterator and dropped, without training
       and without callbacks;
-   b. **execution grouping** (``steps_per_execution="auto"`` only): consecutive one-batch slots
-      of Keras' own generator are joined into one execution of ``k`` steps;
-   c. **step events**: ``k`` never passes the next step event of any callback
-      (:mod:`keras_fastloop.tuning.events`: ``PeriodicValidation``, ``ThroughputMonitor``,
-      ``ProfilerWindow``, ``ModelCheckpoint``/``BackupAndRestore`` with an integer
-      ``save_freq``, any ``steps_until_next_event`` / ``batches_until_next_event`` method) nor
+   b. **execution grouping** (`steps_per_execution="auto"` only): consecutive one-batch slots
+      of Keras' own generator are joined into one execution of `k` steps;
+   c. **step events**: `k` never passes the next step event of any callback
+      (`keras_fastloop.tuning.events`: `PeriodicValidation`, `ThroughputMonitor`,
+      `ProfilerWindow`, `ModelCheckpoint`/`BackupAndRestore` with an integer
+      `save_freq`, any `steps_until_next_event` / `batches_until_next_event` method) nor
       the epoch end.
 
 The grouping never reads data ahead of what Keras would: on data of unknown length (a
-``tf.data.Dataset`` of unknown cardinality, after ``filter`` or ``bucket_by_length``) it keeps
-one step per execution, so ``"auto"`` never changes which batch is trained when. The design
-and what Keras 3.15 allows are in ``docs/fit_loop.md``.
+`tf.data.Dataset` of unknown cardinality, after `filter` or `bucket_by_length`) it keeps
+one step per execution, so `"auto"` never changes which batch is trained when. The design
+and what Keras 3.15 allows are in `docs/fit_loop.md`.
 """
 
 from __future__ import annotations
@@ -47,24 +47,24 @@ EXTENSIONS = {}
 
 
 def register(name, add_callbacks):
-    """Registers an extension of ``fit`` (called once per ``fit``, in registration order).
+    """Registers an extension of `fit` (called once per `fit`, in registration order).
 
     Args:
         name: string, the extension's name (a second registration replaces the first).
-        add_callbacks: callable ``(model, callbacks) -> callbacks``; ``callbacks`` is what the
-            user passed (``None``, a list or a ``keras.callbacks.CallbackList``).
+        add_callbacks: callable `(model, callbacks) -> callbacks`; `callbacks` is what the
+            user passed (`None`, a list or a `keras.callbacks.CallbackList`).
     """
     EXTENSIONS[name] = add_callbacks
 
 
 class FitRun:
-    """What the fit loop knows about one ``fit`` call (untracked model attribute).
+    """What the fit loop knows about one `fit` call (untracked model attribute).
 
     Attributes:
         callbacks: the flat list of callbacks given to Keras (user's and internal).
-        iterator: ``fit``'s epoch iterator once captured, else ``None``.
-        auto: the model's ``steps_per_execution="auto"`` state when it groups steps, else
-            ``None``.
+        iterator: `fit`'s epoch iterator once captured, else `None`.
+        auto: the model's `steps_per_execution="auto"` state when it groups steps, else
+            `None`.
         skip: batches at the start of the next epoch that were trained before a resume.
     """
 
@@ -78,12 +78,12 @@ class FitRun:
 
 
 def current_run(model):
-    """The :class:`FitRun` of the ``fit`` running on ``model``, or ``None``."""
+    """The `FitRun` of the `fit` running on `model`, or `None`."""
     return model.__dict__.get("_fastloop_fit_run")
 
 
 def bind_fit_arguments(model, args, kwargs):
-    """``fit``'s arguments as a dict by name (a ``TypeError`` for arguments ``fit`` lacks)."""
+    """`fit`'s arguments as a dict by name (a `TypeError` for arguments `fit` lacks)."""
     arguments = dict(_FIT_SIGNATURE.bind(model, *args, **kwargs).arguments)
     arguments.pop(next(iter(_FIT_SIGNATURE.parameters)))  # self
     return arguments
@@ -98,7 +98,7 @@ def _flatten(callbacks):
 
 
 def with_internal_callbacks(model, callbacks):
-    """``callbacks`` plus the weighting's and the extensions' callbacks and the non-finite monitor.
+    """`callbacks` plus the weighting's and the extensions' callbacks and the non-finite monitor.
 
     The weighting's callbacks run first (e.g. DWA closes its epoch window before a
     checkpointing callback saves the state); the non-finite monitor runs last.
@@ -116,18 +116,18 @@ def with_internal_callbacks(model, callbacks):
 
 
 def fit(model, keras_fit, args, kwargs):
-    """Runs Keras' ``fit`` with the internal callbacks and the epoch transforms in effect.
+    """Runs Keras' `fit` with the internal callbacks and the epoch transforms in effect.
 
     Args:
-        model: the ``OptimizedModel``.
-        keras_fit: the bound Keras ``fit`` (``super().fit``).
-        args, kwargs: ``fit``'s positional and keyword arguments.
+        model: the `OptimizedModel`.
+        keras_fit: the bound Keras `fit` (`super().fit`).
+        args, kwargs: `fit`'s positional and keyword arguments.
 
     Returns:
-        What Keras' ``fit`` returns (the ``History``).
+        What Keras' `fit` returns (the `History`).
 
     Raises:
-        TypeError: arguments ``keras.Model.fit`` does not take.
+        TypeError: arguments `keras.Model.fit` does not take.
     """
     arguments = bind_fit_arguments(model, args, kwargs)
     arguments["callbacks"] = with_internal_callbacks(model, arguments.get("callbacks"))
@@ -154,13 +154,13 @@ def fit(model, keras_fit, args, kwargs):
 
 
 def maybe_symbolic_build(model, keras_maybe_symbolic_build, iterator=None, data_batch=None):
-    """``_maybe_symbolic_build``: captures ``fit``'s epoch iterator, then builds.
+    """`_maybe_symbolic_build`: captures `fit`'s epoch iterator, then builds.
 
     Args:
         model: the model.
-        keras_maybe_symbolic_build: Keras' bound ``super()._maybe_symbolic_build``.
-        iterator: the ``EpochIterator`` Keras passes (``fit``'s first, then ``evaluate``'s).
-        data_batch: a batch, or ``None``.
+        keras_maybe_symbolic_build: Keras' bound `super()._maybe_symbolic_build`.
+        iterator: the `EpochIterator` Keras passes (`fit`'s first, then `evaluate`'s).
+        data_batch: a batch, or `None`.
     """
     capture_epoch_iterator(model, iterator)
     return distributed.maybe_symbolic_build(
@@ -169,19 +169,19 @@ def maybe_symbolic_build(model, keras_maybe_symbolic_build, iterator=None, data_
 
 
 def make_train_function(model, keras_make_train_function, force=False):
-    """``make_train_function``: the variable-count train function under ``"auto"``."""
+    """`make_train_function`: the variable-count train function under `"auto"`."""
     return _glue.make_train_function(model, keras_make_train_function, force)
 
 
 def capture_epoch_iterator(model, iterator):
-    """Installs the epoch transforms on ``fit``'s epoch iterator (the first one after ``fit``).
+    """Installs the epoch transforms on `fit`'s epoch iterator (the first one after `fit`).
 
     Args:
         model: the model.
-        iterator: an ``EpochIterator`` or ``None``.
+        iterator: an `EpochIterator` or `None`.
 
     Raises:
-        RuntimeError: Keras' ``EpochIterator`` lacks ``_enumerate_iterator`` (a Keras change).
+        RuntimeError: Keras' `EpochIterator` lacks `_enumerate_iterator` (a Keras change).
     """
     run = current_run(model)
     if run is None or not run._pending_capture or iterator is None:
@@ -213,14 +213,14 @@ def capture_epoch_iterator(model, iterator):
 
 
 def skip_next_epoch_batches(model, count):
-    """Makes the next epoch of the running ``fit`` start after ``count`` batches (resume).
+    """Makes the next epoch of the running `fit` start after `count` batches (resume).
 
     Args:
-        model: the model whose ``fit`` is running.
+        model: the model whose `fit` is running.
         count: int >= 0, batches at the epoch start already trained.
 
     Raises:
-        RuntimeError: no ``fit`` of ``model`` is running or its epoch iterator is unknown.
+        RuntimeError: no `fit` of `model` is running or its epoch iterator is unknown.
     """
     run = current_run(model)
     if run is None or run.iterator is None:
@@ -232,7 +232,7 @@ def skip_next_epoch_batches(model, count):
 
 
 def _skip_first_batches(slots, count):
-    """Slots whose first batch index is ``>= count``; earlier ones are read and dropped."""
+    """Slots whose first batch index is `>= count`; earlier ones are read and dropped."""
     for begin, end, iterator in slots:
         if begin < count:
             for _ in range(end - begin + 1):
@@ -251,10 +251,10 @@ def _accumulation(model):
 
 
 def _grouped(run, slots):
-    """Joins Keras' one-batch slots into executions of ``k`` steps (``"auto"``).
+    """Joins Keras' one-batch slots into executions of `k` steps (`"auto"`).
 
-    ``k = tuner.propose(min(batches to the epoch end, batches to the next step event))``; on
-    data of unknown length ``k = 1`` (no batch is read before Keras would read it).
+    `k = tuner.propose(min(batches to the epoch end, batches to the next step event))`; on
+    data of unknown length `k = 1` (no batch is read before Keras would read it).
     """
     state, model, iterator = run.auto, run.model, run.iterator
     accumulation = _accumulation(model)

@@ -1,7 +1,7 @@
-"""Every use of Keras internals (``keras.src``) in keras_fastloop, in one place.
+"""Every use of Keras internals (`keras.src`) in keras_fastloop, in one place.
 
 Keras 3 keeps a few things we need off its public API. Each one is imported here and nowhere
-else, and ``tests/test_keras_internals.py`` fails loudly if a Keras upgrade moves or changes them.
+else, and `tests/test_keras_internals.py` fails loudly if a Keras upgrade moves or changes them.
 """
 
 import contextlib
@@ -16,11 +16,11 @@ from keras.src.trainers.compile_utils import CompileLoss, get_loss
 
 
 def compile_loss_entries(compile_loss):
-    """A built ``CompileLoss``' resolved entries: ``(path, loss, loss_weights, name)`` tuples.
+    """A built `CompileLoss`' resolved entries: `(path, loss, loss_weights, name)` tuples.
 
-    ``CompileLoss.call`` evaluates ``entry.loss(y_true_at_path, y_pred_at_path, sample_weight)``
-    for each entry in order, updates ``compile_loss.metrics[i]`` with the unweighted value (when
-    there is more than one entry) and multiplies by ``entry.loss_weights`` unless it is ``None``.
+    `CompileLoss.call` evaluates `entry.loss(y_true_at_path, y_pred_at_path, sample_weight)`
+    for each entry in order, updates `compile_loss.metrics[i]` with the unweighted value (when
+    there is more than one entry) and multiplies by `entry.loss_weights` unless it is `None`.
     """
     return list(compile_loss._flat_losses)
 
@@ -31,7 +31,7 @@ def set_compile_loss_entries(compile_loss, entries):
 
 @contextlib.contextmanager
 def unlocked_state(layer):
-    """Let ``layer.add_weight`` run on a built layer (Keras locks a layer's state after build).
+    """Let `layer.add_weight` run on a built layer (Keras locks a layer's state after build).
 
     For step state whose shape is known only once a subclassed model has been called (e.g. one
     trainable log-variance per task), created before the first update is traced to the end.

@@ -1,21 +1,21 @@
-"""Exact mid-epoch resume with ``keras.callbacks.BackupAndRestore(save_freq=N)``.
+"""Exact mid-epoch resume with `keras.callbacks.BackupAndRestore(save_freq=N)`.
 
-Keras 3.15's ``BackupAndRestore`` restores the weights saved after batch ``b`` of epoch ``e`` but
-then reruns epoch ``e`` from its first batch (``b + 1`` extra optimizer steps). With this module
-(registered with :mod:`keras_fastloop._fit_loop`, nothing to call: pass a stock
-``BackupAndRestore`` with an integer ``save_freq`` to ``OptimizedModel.fit``) the resumed run
-continues with batch ``b + 1`` and ends with the weights of an uninterrupted run; the backup's
-and each integer-``save_freq`` ``ModelCheckpoint``'s save points line up with the uninterrupted
-run, and ``save_freq`` batches are counted exactly.
+Keras 3.15's `BackupAndRestore` restores the weights saved after batch `b` of epoch `e` but
+then reruns epoch `e` from its first batch (`b + 1` extra optimizer steps). With this module
+(registered with `keras_fastloop._fit_loop`, nothing to call: pass a stock
+`BackupAndRestore` with an integer `save_freq` to `OptimizedModel.fit`) the resumed run
+continues with batch `b + 1` and ends with the weights of an uninterrupted run; the backup's
+and each integer-`save_freq` `ModelCheckpoint`'s save points line up with the uninterrupted
+run, and `save_freq` batches are counted exactly.
 
 Exact if an epoch's data order does not depend on the process: no shuffling, or
-``Dataset.shuffle(..., seed=s, reshuffle_each_iteration=False)`` (with
-``reshuffle_each_iteration=True`` a new process starts the shuffle counter again at 0). Stateful
-callbacks other than ``PeriodicValidation(backup_dir=...)`` are not restored (as in Keras), and
+`Dataset.shuffle(..., seed=s, reshuffle_each_iteration=False)` (with
+`reshuffle_each_iteration=True` a new process starts the shuffle counter again at 0). Stateful
+callbacks other than `PeriodicValidation(backup_dir=...)` are not restored (as in Keras), and
 the running means of the interrupted epoch's training metrics restart at the resume point. On
 data of unknown length a backup of an epoch's last batch replays that epoch empty.
 
-What Keras does and what is corrected, in detail: ``docs/design.md``, section "Exact mid-epoch
+What Keras does and what is corrected, in detail: `docs/design.md`, section "Exact mid-epoch
 resume".
 """
 
@@ -33,7 +33,7 @@ __all__ = ["with_exact_resume"]
 
 
 def with_exact_resume(model, callbacks):
-    """``callbacks`` with a :class:`_MidEpochResume` after each step-saving ``BackupAndRestore``."""
+    """`callbacks` with a `_MidEpochResume` after each step-saving `BackupAndRestore`."""
     if callbacks is None or isinstance(callbacks, keras.callbacks.CallbackList):
         return callbacks
     result = []

@@ -1,14 +1,14 @@
-"""The trainer mixin shared by :class:`~keras_fastloop.OptimizedModel` and
-:class:`~keras_fastloop.OptimizedSequential`.
+"""The trainer mixin shared by `OptimizedModel` and
+`OptimizedSequential`.
 
-``compile()`` turns its arguments into step components; ``train_step``/``test_step`` only
+`compile()` turns its arguments into step components; `train_step`/`test_step` only
 orchestrate them (each stage lives in its own module). The step, in order:
 
-unpack ``(x, y, sample_weight)`` -> forward in the tape -> ``compute_loss`` (Keras' hook: per-task
-losses from :class:`~keras_fastloop._step.losses.TaskLoss`, combined by the loss weighting) ->
-``optimizer.scale_loss`` -> gradients (plain or micro-batched, a :class:`StepResult` either way)
+unpack `(x, y, sample_weight)` -> forward in the tape -> `compute_loss` (Keras' hook: per-task
+losses from `TaskLoss`, combined by the loss weighting) ->
+`optimizer.scale_loss` -> gradients (plain or micro-batched, a `StepResult` either way)
 -> variables without a gradient leave the update (as in Keras) -> sum across replicas -> unscale
--> finite check -> clip -> ``optimizer.apply`` (skipped as a whole when not finite) -> metrics
+-> finite check -> clip -> `optimizer.apply` (skipped as a whole when not finite) -> metrics
 (recorded only for applied steps).
 """
 
@@ -97,10 +97,10 @@ def _log_metrics(log_metrics, clipper, optimizer, nonfinite):
 
 
 class OptimizedTrainer:
-    """Mixin that gives a ``keras.Model`` class the step of an expert's hand-written loop.
+    """Mixin that gives a `keras.Model` class the step of an expert's hand-written loop.
 
-    Put it before the Keras class in the bases (``class M(OptimizedTrainer, keras.Model)``).
-    See :class:`~keras_fastloop.OptimizedModel` for the arguments of :meth:`compile` and the logs.
+    Put it before the Keras class in the bases (`class M(OptimizedTrainer, keras.Model)`).
+    See `OptimizedModel` for the arguments of `compile` and the logs.
     """
 
     def compile(
@@ -126,50 +126,50 @@ class OptimizedTrainer:
 
         Args:
             optimizer, loss, loss_weights, metrics, weighted_metrics, run_eagerly,
-                steps_per_execution, jit_compile, auto_scale_loss: as ``keras.Model.compile``
-                (``loss=None`` is valid: models trained by ``add_loss`` or an overridden
-                ``compute_loss``, or compiled for inference). Under a ``mixed_float16`` policy
-                the optimizer becomes a ``LossScaleOptimizer``. ``steps_per_execution`` may also
-                be ``"auto"``: tuned while ``fit`` runs, never past a step event
-                (:mod:`keras_fastloop.tuning`).
-            gradient_clipping: ``None`` (default), a positive float (global-norm threshold), a
-                string id (``"auto_clip"``, ``"adaptive_gradient_clipping"``) or a
-                ``keras_fastloop.clipping`` object (see ``keras_fastloop.clipping.get``). Applied
+                steps_per_execution, jit_compile, auto_scale_loss: as `keras.Model.compile`
+                (`loss=None` is valid: models trained by `add_loss` or an overridden
+                `compute_loss`, or compiled for inference). Under a `mixed_float16` policy
+                the optimizer becomes a `LossScaleOptimizer`. `steps_per_execution` may also
+                be `"auto"`: tuned while `fit` runs, never past a step event
+                (`keras_fastloop.tuning`).
+            gradient_clipping: `None` (default), a positive float (global-norm threshold), a
+                string id (`"auto_clip"`, `"adaptive_gradient_clipping"`) or a
+                `keras_fastloop.clipping` object (see `keras_fastloop.clipping.get`). Applied
                 once, to the unscaled gradient summed across replicas.
-            loss_weighting: ``None`` (default: fixed ``loss_weights`` as in Keras, but held in a
-                variable), a method id from ``keras_fastloop.weighting.METHODS`` or a
-                ``LossWeighting`` object.
+            loss_weighting: `None` (default: fixed `loss_weights` as in Keras, but held in a
+                variable), a method id from `keras_fastloop.weighting.METHODS` or a
+                `LossWeighting` object.
             shared_variables: optional list of variables that gradient-based weighting methods
                 treat as shared; default: inferred (variables reached by more than one task).
-            micro_batch_size: ``None`` (default) or a positive int: split every (per-replica)
+            micro_batch_size: `None` (default) or a positive int: split every (per-replica)
                 batch into micro-batches of this many samples, accumulate their gradients and
                 apply one update, identical to the full batch. A batch with fewer samples runs
-                as one micro-batch (exact, but no memory is saved): a ``UserWarning`` says so
+                as one micro-batch (exact, but no memory is saved): a `UserWarning` says so
                 once, when the step is traced if the batch size is static, else at the end of
                 the first epoch in which no batch was larger (a smaller last batch never warns).
-            nonfinite: what to do with a non-finite gradient: ``"skip"`` (default; skip the
-                whole update on every replica and count it in ``skipped_steps``), ``"raise"``
-                (skip the update, then ``fit``/``train_on_batch`` raise
-                ``keras_fastloop.NonFiniteError`` naming the step and the first variable)
-                or ``"terminate"`` (skip the update and stop training cleanly, like
-                ``TerminateOnNaN``). Under loss scaling a non-finite loss skips the step without
-                halving the scale (see :mod:`keras_fastloop._step.guards`).
-            log_metrics: ``None`` (default) or a list from ``("grad_norm", "skipped_steps",
-                "loss_scale")``: extra training metrics to log. By default each is logged when
-                the feature that produces it is on (``grad_norm`` with ``gradient_clipping``;
-                ``loss_scale`` and ``skipped_steps`` with loss scaling; ``skipped_steps`` with
-                ``nonfinite`` other than ``"skip"``), so with every feature off the logs have
-                exactly ``keras.Model``'s keys.
+            nonfinite: what to do with a non-finite gradient: `"skip"` (default; skip the
+                whole update on every replica and count it in `skipped_steps`), `"raise"`
+                (skip the update, then `fit`/`train_on_batch` raise
+                `keras_fastloop.NonFiniteError` naming the step and the first variable)
+                or `"terminate"` (skip the update and stop training cleanly, like
+                `TerminateOnNaN`). Under loss scaling a non-finite loss skips the step without
+                halving the scale (see `keras_fastloop._step.guards`).
+            log_metrics: `None` (default) or a list from `("grad_norm", "skipped_steps",
+                "loss_scale")`: extra training metrics to log. By default each is logged when
+                the feature that produces it is on (`grad_norm` with `gradient_clipping`;
+                `loss_scale` and `skipped_steps` with loss scaling; `skipped_steps` with
+                `nonfinite` other than `"skip"`), so with every feature off the logs have
+                exactly `keras.Model`'s keys.
 
         Raises:
-            ValueError: ``steps_per_execution`` neither ``"auto"`` nor a positive int;
+            ValueError: `steps_per_execution` neither `"auto"` nor a positive int;
                 clipping set both here and on the optimizer, or combined with the optimizer's
-                ``gradient_accumulation_steps``; a non-positive ``micro_batch_size``; an unknown
-                ``nonfinite`` policy, weighting id or ``log_metrics`` name; loss or loss weights
-                that do not match the outputs; ``loss_weights`` (other than all ones) with a
-                ``loss_weighting`` that sets its own weights; weighting with a single task; a weighting method
-                or ``micro_batch_size`` without a compiled ``loss`` or with an overridden
-                ``compute_loss``.
+                `gradient_accumulation_steps`; a non-positive `micro_batch_size`; an unknown
+                `nonfinite` policy, weighting id or `log_metrics` name; loss or loss weights
+                that do not match the outputs; `loss_weights` (other than all ones) with a
+                `loss_weighting` that sets its own weights; weighting with a single task; a weighting method
+                or `micro_batch_size` without a compiled `loss` or with an overridden
+                `compute_loss`.
             TypeError: an argument of the wrong kind.
         """
         clipper = clipping_module.get(gradient_clipping)
@@ -288,7 +288,7 @@ class OptimizedTrainer:
     def _build_weighting(self, layout=None):
         """Create the weighting's state once the tasks are known (never inside a trace).
 
-        ``layout``: ``(task names, static weights)``; default: the compiled loss' own, known
+        `layout`: `(task names, static weights)`; default: the compiled loss' own, known
         after its first call.
         """
         weighting = self._loss_weighting
@@ -306,17 +306,17 @@ class OptimizedTrainer:
 
     @property
     def gradient_clipping(self):
-        """The :class:`~keras_fastloop.clipping.GradientClipping` in use (``None``: no clipping)."""
+        """The `GradientClipping` in use (`None`: no clipping)."""
         return getattr(self, "_gradient_clipping", None)
 
     @property
     def loss_weighting(self):
-        """The :class:`~keras_fastloop.weighting.LossWeighting` in use (``None`` before compile)."""
+        """The `LossWeighting` in use (`None` before compile)."""
         return getattr(self, "_loss_weighting", None)
 
     @property
     def skipped_steps(self):
-        """Variable counting updates skipped for non-finite gradients (over all ``fit`` calls)."""
+        """Variable counting updates skipped for non-finite gradients (over all `fit` calls)."""
         return self._fastloop_state.skipped_steps
 
     @property
@@ -329,7 +329,7 @@ class OptimizedTrainer:
 
     @contextlib.contextmanager
     def _evaluation(self):
-        """The training-only step metrics are not part of ``evaluate``'s metrics and logs."""
+        """The training-only step metrics are not part of `evaluate`'s metrics and logs."""
         object.__setattr__(
             self, "_fastloop_evaluating", self.__dict__.get("_fastloop_evaluating", 0) + 1
         )
@@ -349,15 +349,15 @@ class OptimizedTrainer:
     # -------------------------------------------------------------------------------- losses
 
     def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
-        """Keras' ``compute_loss``, with the task losses combined by the loss weighting.
+        """Keras' `compute_loss`, with the task losses combined by the loss weighting.
 
         Returns the scalar the step differentiates: the weighting's objective over the
-        compiled loss' tasks (``sum_i w_i L_i`` with the weights read from a variable by
-        default) plus the regularization and ``add_loss`` losses. Override it as in Keras; a
-        model that does so cannot use ``loss_weighting`` or ``micro_batch_size``.
+        compiled loss' tasks (`sum_i w_i L_i` with the weights read from a variable by
+        default) plus the regularization and `add_loss` losses. Override it as in Keras; a
+        model that does so cannot use `loss_weighting` or `micro_batch_size`.
 
         Raises:
-            ValueError: when there is no loss at all (no compiled loss, no ``add_loss``).
+            ValueError: when there is no loss at all (no compiled loss, no `add_loss`).
         """
         del x, training
         terms, record = [], None
@@ -392,7 +392,7 @@ class OptimizedTrainer:
         return terms[0] if len(terms) == 1 else ops.sum(ops.stack(terms))
 
     def _loss_terms(self, x, y, y_pred, sample_weight, training):
-        """``(total, logged loss, record)`` through ``compute_loss`` (user overrides included)."""
+        """`(total, logged loss, record)` through `compute_loss` (user overrides included)."""
         object.__setattr__(self, "_loss_record", None)
         total = self._compute_loss(
             x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training
@@ -411,7 +411,7 @@ class OptimizedTrainer:
     # ------------------------------------------------------------------------------ the steps
 
     def _full_batch(self, x, y, sample_weight, variables):
-        """:class:`StepResult` of one gradient of the whole (per-replica) batch."""
+        """`StepResult` of one gradient of the whole (per-replica) batch."""
         weighting = self._loss_weighting
         with tf.GradientTape(persistent=weighting.requires_task_gradients) as tape:
             y_pred = self._forward(x, training=True)
@@ -531,10 +531,10 @@ class OptimizedTrainer:
         return self.get_metrics_result()
 
     def _apply(self, grads, variables, applied, scale, lso_condition):
-        """Apply the update, or skip it entirely (weights, slots, ``iterations``).
+        """Apply the update, or skip it entirely (weights, slots, `iterations`).
 
-        ``applied``: the gradient is finite and the non-finite policy allows updates;
-        ``lso_condition``: with a ``LossScaleOptimizer``, when to hand it the gradient (it skips
+        `applied`: the gradient is finite and the non-finite policy allows updates;
+        `lso_condition`: with a `LossScaleOptimizer`, when to hand it the gradient (it skips
         overflowing updates and halves its scale itself).
         """
         optimizer = self.optimizer
@@ -607,16 +607,16 @@ class OptimizedTrainer:
     # ---------------------------------------------------------------------------- training
 
     def fit(self, *args, **kwargs):
-        """``keras.Model.fit`` run by :mod:`keras_fastloop._fit_loop` (arguments and return as Keras').
+        """`keras.Model.fit` run by `keras_fastloop._fit_loop` (arguments and return as Keras').
 
         It adds the internal callbacks (the weighting's, the non-finite policy's, exact
-        mid-epoch resume) and, under ``steps_per_execution="auto"``, groups steps into
+        mid-epoch resume) and, under `steps_per_execution="auto"`, groups steps into
         executions up to the next step event.
         """
         return fit_loop.fit(self, super().fit, args, kwargs)
 
     def train_on_batch(self, *args, **kwargs):
-        """``keras.Model.train_on_batch``; raises ``keras_fastloop.NonFiniteError`` under ``"raise"``."""
+        """`keras.Model.train_on_batch`; raises `keras_fastloop.NonFiniteError` under `"raise"`."""
         logs = super().train_on_batch(*args, **kwargs)
         guards.raise_if_recorded(self)
         return logs
@@ -664,9 +664,9 @@ def _batch_size(x):
 
 
 class _LossRecord:
-    """What the default ``compute_loss`` computed, for the step that called it.
+    """What the default `compute_loss` computed, for the step that called it.
 
-    ``batch_size``: the global batch's number of samples (the loss trackers' weight).
+    `batch_size`: the global batch's number of samples (the loss trackers' weight).
     """
 
     def __init__(self, terms, values, objective, weights, reported, batch_size):

@@ -1,7 +1,7 @@
-"""``keras-fastloop`` command line: ``bench`` (the main job) and ``launch`` (multi-worker).
+"""`keras-fastloop` command line: `bench` (the main job) and `launch` (multi-worker).
 
-The implementation lives in the TensorFlow-free top-level package ``keras_fastloop_cli`` (the
-console script's entry point), so that ``--help`` and ``--version`` answer without importing
+The implementation lives in the TensorFlow-free top-level package `keras_fastloop_cli` (the
+console script's entry point), so that `--help` and `--version` answer without importing
 TensorFlow; this module keeps the historical import path.
 """
 

@@ -1,14 +1,14 @@
 """Gradient clipping applied once, to the aggregated and unscaled gradient.
 
-``compile(gradient_clipping=...)`` takes ``None``, a float (global-norm clipping at that value),
-or one of the objects below. :class:`~keras_fastloop.OptimizedModel` calls the clipper after the
+`compile(gradient_clipping=...)` takes `None`, a float (global-norm clipping at that value),
+or one of the objects below. `OptimizedModel` calls the clipper after the
 gradients are summed across replicas and divided by the loss scale, so the update that is applied
-obeys the threshold (Keras' own ``clipnorm``/``global_clipnorm`` act per replica before the sum).
+obeys the threshold (Keras' own `clipnorm`/`global_clipnorm` act per replica before the sum).
 
-Every clipper is a callable ``clipper(grads, variables, global_norm) -> grads`` where ``grads`` and
-``variables`` are equally long lists and ``global_norm`` is the float32 scalar global norm of
-``grads`` (computed once by the step). An ``Embedding``'s gradient arrives as a ``tf.IndexedSlices``
-whose rows are unique (the step passes it through :func:`deduplicate` first), so norms and
+Every clipper is a callable `clipper(grads, variables, global_norm) -> grads` where `grads` and
+`variables` are equally long lists and `global_norm` is the float32 scalar global norm of
+`grads` (computed once by the step). An `Embedding`'s gradient arrives as a `tf.IndexedSlices`
+whose rows are unique (the step passes it through `deduplicate` first), so norms and
 element-wise clipping are those of the dense gradient; the clippers keep it sparse.
 """
 
@@ -36,19 +36,19 @@ __all__ = [
 
 
 def deduplicate(gradient):
-    """The same gradient with each row of an ``IndexedSlices`` present once.
+    """The same gradient with each row of an `IndexedSlices` present once.
 
-    An ``Embedding``'s gradient is a ``tf.IndexedSlices`` with one row per looked-up id, so an id
-    that occurs ``k`` times contributes ``k`` rows whose sum is the dense gradient's row. Norms
+    An `Embedding`'s gradient is a `tf.IndexedSlices` with one row per looked-up id, so an id
+    that occurs `k` times contributes `k` rows whose sum is the dense gradient's row. Norms
     (and element-wise clipping) of the raw slices are not those of the gradient: this sums the
-    duplicate rows (``tf.math.unsorted_segment_sum`` over the unique ids), without densifying the
+    duplicate rows (`tf.math.unsorted_segment_sum` over the unique ids), without densifying the
     table. Dense tensors are returned unchanged.
 
     Args:
-        gradient: a tensor or ``tf.IndexedSlices``.
+        gradient: a tensor or `tf.IndexedSlices`.
 
     Returns:
-        A tensor, or ``tf.IndexedSlices`` with unique ``indices``.
+        A tensor, or `tf.IndexedSlices` with unique `indices`.
     """
     if not isinstance(gradient, tf.IndexedSlices):
         return gradient
@@ -68,16 +68,16 @@ def _positive(name, value):
 
 
 class GradientClipping:
-    """Base class of the clippers; subclasses implement ``__call__``.
+    """Base class of the clippers; subclasses implement `__call__`.
 
-    Stateful clippers (``AutoClip``) create their variables in ``build(owner)`` with
-    ``owner.add_weight``; the model calls it in ``compile()`` (under the active distribution
+    Stateful clippers (`AutoClip`) create their variables in `build(owner)` with
+    `owner.add_weight`; the model calls it in `compile()` (under the active distribution
     strategy) with the layer that holds the step's state, so the variables are saved, restored by
-    ``BackupAndRestore`` and identical on every replica.
+    `BackupAndRestore` and identical on every replica.
     """
 
     def build(self, owner):
-        """Create state variables on the Keras layer ``owner`` (no-op for stateless clippers)."""
+        """Create state variables on the Keras layer `owner` (no-op for stateless clippers)."""
 
     @property
     def variables(self):
@@ -100,16 +100,16 @@ class GradientClipping:
 
 @keras.saving.register_keras_serializable(package=_PACKAGE)
 class ClipByGlobalNorm(GradientClipping):
-    """Scale all gradients together so their global L2 norm is at most ``clipnorm``.
+    """Scale all gradients together so their global L2 norm is at most `clipnorm`.
 
-    ``g_i <- g_i * clipnorm / max(global_norm, clipnorm)``, the same as ``tf.clip_by_global_norm``
-    and Keras' ``global_clipnorm``, but on the gradient that is actually applied.
+    `g_i <- g_i * clipnorm / max(global_norm, clipnorm)`, the same as `tf.clip_by_global_norm`
+    and Keras' `global_clipnorm`, but on the gradient that is actually applied.
 
     Args:
         clipnorm: positive float, the largest global norm allowed.
 
     Raises:
-        ValueError: if ``clipnorm`` is not a positive number.
+        ValueError: if `clipnorm` is not a positive number.
 
     Example:
         >>> clip = ClipByGlobalNorm(1.0)   # or compile(gradient_clipping=1.0)
@@ -132,13 +132,13 @@ class ClipByGlobalNorm(GradientClipping):
 
 @keras.saving.register_keras_serializable(package=_PACKAGE)
 class ClipByNorm(GradientClipping):
-    """Clip each variable's gradient to an L2 norm of at most ``clipnorm`` (Keras' ``clipnorm``).
+    """Clip each variable's gradient to an L2 norm of at most `clipnorm` (Keras' `clipnorm`).
 
     Args:
         clipnorm: positive float, the largest norm allowed per variable.
 
     Raises:
-        ValueError: if ``clipnorm`` is not a positive number.
+        ValueError: if `clipnorm` is not a positive number.
     """
 
     def __init__(self, clipnorm):
@@ -153,13 +153,13 @@ class ClipByNorm(GradientClipping):
 
 @keras.saving.register_keras_serializable(package=_PACKAGE)
 class ClipByValue(GradientClipping):
-    """Clip every gradient element to ``[-clipvalue, clipvalue]`` (Keras' ``clipvalue``).
+    """Clip every gradient element to `[-clipvalue, clipvalue]` (Keras' `clipvalue`).
 
     Args:
         clipvalue: positive float.
 
     Raises:
-        ValueError: if ``clipvalue`` is not a positive number.
+        ValueError: if `clipvalue` is not a positive number.
     """
 
     def __init__(self, clipvalue):
@@ -175,17 +175,17 @@ class ClipByValue(GradientClipping):
 
 
 def _map_values(gradient, fn):
-    """``fn`` on a dense gradient, or on the rows of an ``IndexedSlices`` (kept sparse)."""
+    """`fn` on a dense gradient, or on the rows of an `IndexedSlices` (kept sparse)."""
     if isinstance(gradient, tf.IndexedSlices):
         return tf.IndexedSlices(fn(gradient.values), gradient.indices, gradient.dense_shape)
     return fn(gradient)
 
 
 def unitwise_norm(x):
-    """L2 norm per output unit, broadcastable to ``x``.
+    """L2 norm per output unit, broadcastable to `x`.
 
     Vectors and scalars (biases, gains) count as one unit; for a kernel of shape
-    ``(..., units)`` (Dense ``(in, out)``, Conv ``(kh, kw, in, out)``) each slice along the last
+    `(..., units)` (Dense `(in, out)`, Conv `(kh, kw, in, out)`) each slice along the last
     axis is a unit, so the norm is taken over all other axes.
     """
     if len(x.shape) <= 1:
@@ -198,9 +198,9 @@ def unitwise_norm(x):
 class AdaptiveGradientClipping(GradientClipping):
     """Unit-wise adaptive gradient clipping (AGC).
 
-    For every unit ``i`` of every variable ``W`` with gradient ``G``:
-    ``G_i <- G_i * clip_factor * max(|W_i|, eps) / |G_i|`` when
-    ``|G_i| / max(|W_i|, eps) > clip_factor`` (norms are L2, see :func:`unitwise_norm`).
+    For every unit `i` of every variable `W` with gradient `G`:
+    `G_i <- G_i * clip_factor * max(|W_i|, eps) / |G_i|` when
+    `|G_i| / max(|W_i|, eps) > clip_factor` (norms are L2, see `unitwise_norm`).
 
     Args:
         clip_factor: positive float, the largest allowed ratio of gradient norm to parameter norm.
@@ -209,7 +209,7 @@ class AdaptiveGradientClipping(GradientClipping):
             Default 1e-3.
 
     Raises:
-        ValueError: if ``clip_factor`` or ``eps`` is not a positive number.
+        ValueError: if `clip_factor` or `eps` is not a positive number.
 
     Reference:
         Brock, De, Smith & Simonyan, "High-Performance Large-Scale Image Recognition Without
@@ -244,7 +244,7 @@ class AutoClip(GradientClipping):
 
     Every step appends the current global gradient norm to a history kept in variables (so it is
     checkpointed and restored with the model), then clips the global norm at the
-    ``percentile``-th percentile of the history (linear interpolation, as ``numpy.percentile``).
+    `percentile`-th percentile of the history (linear interpolation, as `numpy.percentile`).
     Non-finite norms are not recorded (those steps are skipped by the step's guard).
 
     Args:
@@ -253,7 +253,7 @@ class AutoClip(GradientClipping):
         history_size: positive int, how many recent norms are kept (a ring buffer). Default 10000.
 
     Raises:
-        ValueError: if ``percentile`` is outside (0, 100] or ``history_size`` is not a
+        ValueError: if `percentile` is outside (0, 100] or `history_size` is not a
             positive integer.
 
     Reference:
@@ -305,7 +305,7 @@ class AutoClip(GradientClipping):
         return [] if self.history is None else [self.history, self.count]
 
     def threshold(self, global_norm):
-        """Record ``global_norm`` (if finite) and return the current clipping threshold."""
+        """Record `global_norm` (if finite) and return the current clipping threshold."""
         finite = ops.isfinite(global_norm)
         slot = ops.cast(self.count % self.history_size, "int32")
         recorded = ops.where(finite, global_norm, self.history[slot])

@@ -1,7 +1,7 @@
-"""``keras_fastloop.launch``: the multi-worker launcher (lives in ``keras_fastloop_cli.launch``).
+"""`keras_fastloop.launch`: the multi-worker launcher (lives in `keras_fastloop_cli.launch`).
 
 The launcher uses only the standard library; it lives in the TensorFlow-free
-``keras_fastloop_cli`` package so that ``keras-fastloop launch`` starts its workers without
+`keras_fastloop_cli` package so that `keras-fastloop launch` starts its workers without
 importing TensorFlow in the parent process. This module keeps the historical import path.
 """
 

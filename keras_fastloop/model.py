@@ -1,7 +1,7 @@
 """OptimizedModel and OptimizedSequential: Keras' model classes with the trainer mixin.
 
-The step itself lives in :mod:`keras_fastloop._trainer`; this module only combines it with
-``keras.Model`` (functional and subclassed) and ``keras.Sequential``.
+The step itself lives in `keras_fastloop._trainer`; this module only combines it with
+`keras.Model` (functional and subclassed) and `keras.Sequential`.
 """
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ _FUNCTIONAL_VARIANTS = {}
 
 
 def _functional_variant(cls):
-    """``cls`` with Keras' ``Functional`` mixed in, created once per class.
+    """`cls` with Keras' `Functional` mixed in, created once per class.
 
-    ``keras.Model`` supports functional construction of a subclass by rewriting the subclass'
-    ``__bases__`` in place (``inject_functional_model_class``), which would break every later
-    subclassed (non-functional) use of ``OptimizedModel`` in the same process. Building a
-    separate class leaves ``OptimizedModel`` untouched. The variant is registered under the same
-    name as ``cls`` so saved models load back as ``cls``.
+    `keras.Model` supports functional construction of a subclass by rewriting the subclass'
+    `__bases__` in place (`inject_functional_model_class`), which would break every later
+    subclassed (non-functional) use of `OptimizedModel` in the same process. Building a
+    separate class leaves `OptimizedModel` untouched. The variant is registered under the same
+    name as `cls` so saved models load back as `cls`.
     """
     if cls not in _FUNCTIONAL_VARIANTS:
         variant = type(
@@ -46,20 +46,20 @@ def _functional_variant(cls):
 
 @keras.saving.register_keras_serializable(package="keras_fastloop")
 class OptimizedModel(OptimizedTrainer, keras.Model):
-    """A ``keras.Model`` whose ``train_step``/``test_step`` carry an expert's training loop.
+    """A `keras.Model` whose `train_step`/`test_step` carry an expert's training loop.
 
-    Build it exactly like ``keras.Model`` (functional ``OptimizedModel(inputs, outputs)`` or
-    subclassed) and call ``compile``/``fit``/``evaluate``/``predict`` as usual. ``compile`` takes
+    Build it exactly like `keras.Model` (functional `OptimizedModel(inputs, outputs)` or
+    subclassed) and call `compile`/`fit`/`evaluate`/`predict` as usual. `compile` takes
     Keras' arguments plus the keyword-only arguments below. With all of them at their defaults
-    training is numerically the same as ``keras.Model.fit``.
+    training is numerically the same as `keras.Model.fit`.
 
-    Logs, every step: ``loss`` (task losses weighted by the static ``loss_weights``, plus
-    regularization: what ``keras.Model`` reports, never loss-scaled, the same for every
-    weighting method), ``{task}_loss`` (unweighted, multi-output models), and only when the
-    feature is on (or asked for with ``compile(log_metrics=[...])``): ``objective`` and
-    ``{task}_weight`` (with ``loss_weighting``: the method's own objective and weights),
-    ``grad_norm`` (global L2 norm of the unscaled, cross-replica gradient before clipping),
-    ``skipped_steps`` (updates skipped for non-finite gradients) and ``loss_scale``. All are
+    Logs, every step: `loss` (task losses weighted by the static `loss_weights`, plus
+    regularization: what `keras.Model` reports, never loss-scaled, the same for every
+    weighting method), `{task}_loss` (unweighted, multi-output models), and only when the
+    feature is on (or asked for with `compile(log_metrics=[...])`): `objective` and
+    `{task}_weight` (with `loss_weighting`: the method's own objective and weights),
+    `grad_norm` (global L2 norm of the unscaled, cross-replica gradient before clipping),
+    `skipped_steps` (updates skipped for non-finite gradients) and `loss_scale`. All are
     Keras metrics: synchronised across replicas and reset every epoch like Keras' own.
 
     Example:
@@ -93,13 +93,13 @@ class OptimizedModel(OptimizedTrainer, keras.Model):
 
 @keras.saving.register_keras_serializable(package="keras_fastloop")
 class OptimizedSequential(OptimizedTrainer, keras.Sequential):
-    """A ``keras.Sequential`` with :class:`OptimizedModel`'s training step.
+    """A `keras.Sequential` with `OptimizedModel`'s training step.
 
-    Same constructor as ``keras.Sequential`` (``layers``, ``trainable``, ``name``) and the same
-    ``compile`` arguments as :class:`OptimizedModel`; saves and loads as itself. To give an
-    existing model the step, wrap it: ``OptimizedModel(model.inputs, model.outputs)`` for a
+    Same constructor as `keras.Sequential` (`layers`, `trainable`, `name`) and the same
+    `compile` arguments as `OptimizedModel`; saves and loads as itself. To give an
+    existing model the step, wrap it: `OptimizedModel(model.inputs, model.outputs)` for a
     functional or Sequential model (the layers and weights are shared), or
-    ``OptimizedSequential([model])``.
+    `OptimizedSequential([model])`.
 
     Example:
         >>> model = OptimizedSequential([keras.Input((8,)), keras.layers.Dense(1)])
@@ -107,7 +107,7 @@ class OptimizedSequential(OptimizedTrainer, keras.Sequential):
     """
 
 
-# Legacy `.h5` files store a model's bare class name (``model.__class__.__name__``), which
+# Legacy `.h5` files store a model's bare class name (`model.__class__.__name__`), which
 # `keras.saving.load_model` then looks up among the custom objects: register it there too.
 keras.saving.get_custom_objects().update(
     {"OptimizedModel": OptimizedModel, "OptimizedSequential": OptimizedSequential}

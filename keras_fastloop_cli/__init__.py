@@ -1,10 +1,10 @@
-"""The ``keras-fastloop`` command line, importable without TensorFlow.
+"""The `keras-fastloop` command line, importable without TensorFlow.
 
-Importing a submodule of ``keras_fastloop`` runs ``keras_fastloop/__init__.py``, which imports
+Importing a submodule of `keras_fastloop` runs `keras_fastloop/__init__.py`, which imports
 TensorFlow and Keras (seconds of start-up and TensorFlow's log lines). The command line lives in
-this separate top-level package so that ``keras-fastloop --help``, ``--version`` and ``launch``
-(which only starts worker processes) never import TensorFlow; ``bench`` imports it when it runs.
-``keras_fastloop.cli`` re-exports :func:`main` and :data:`SUITES`.
+this separate top-level package so that `keras-fastloop --help`, `--version` and `launch`
+(which only starts worker processes) never import TensorFlow; `bench` imports it when it runs.
+`keras_fastloop.cli` re-exports `main` and `SUITES`.
 """
 
 from __future__ import annotations
@@ -32,18 +32,18 @@ SUITES = {
 
 
 def version():
-    """``keras_fastloop.__version__``, read from the source without importing the package.
+    """`keras_fastloop.__version__`, read from the source without importing the package.
 
-    The version is written once, in ``keras_fastloop/__init__.py`` (``pyproject.toml`` reads
-    it from there too); importing ``keras_fastloop`` would import TensorFlow, so the file is
-    located with ``importlib.util.find_spec`` and its ``__version__ = "..."`` assignment read
-    with ``ast``.
+    The version is written once, in `keras_fastloop/__init__.py` (`pyproject.toml` reads
+    it from there too); importing `keras_fastloop` would import TensorFlow, so the file is
+    located with `importlib.util.find_spec` and its `__version__ = "..."` assignment read
+    with `ast`.
 
     Returns:
-        str, e.g. ``"0.1.0"``.
+        str, e.g. `"0.1.0"`.
 
     Raises:
-        RuntimeError: if ``keras_fastloop`` cannot be found or sets no literal ``__version__``.
+        RuntimeError: if `keras_fastloop` cannot be found or sets no literal `__version__`.
     """
     import ast
     import importlib.util
@@ -79,11 +79,11 @@ def _bench(args):
 
 
 def build_parser():
-    """The argument parser of ``keras-fastloop`` (no TensorFlow import).
+    """The argument parser of `keras-fastloop` (no TensorFlow import).
 
     Returns:
-        An ``argparse.ArgumentParser`` with the ``bench`` and ``launch`` commands and
-        ``--version``.
+        An `argparse.ArgumentParser` with the `bench` and `launch` commands and
+        `--version`.
     """
     parser = argparse.ArgumentParser(
         prog="keras-fastloop",
@@ -112,16 +112,16 @@ def build_parser():
 
 
 def main(argv=None):
-    """Entry point of the ``keras-fastloop`` console command.
+    """Entry point of the `keras-fastloop` console command.
 
     Args:
-        argv: list of strings (default ``sys.argv[1:]``).
+        argv: list of strings (default `sys.argv[1:]`).
 
     Returns:
         int exit code.
 
     Raises:
-        SystemExit: for ``--help``, ``--version`` (code 0) and bad arguments (code 2).
+        SystemExit: for `--help`, `--version` (code 0) and bad arguments (code 2).
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)

@@ -1,4 +1,4 @@
-"""``python -m keras_fastloop_cli``: the ``keras-fastloop`` command."""
+"""`python -m keras_fastloop_cli`: the `keras-fastloop` command."""
 
 import sys
 

@@ -1,10 +1,10 @@
-"""Start N local workers for ``MultiWorkerMirroredStrategy`` (``keras-fastloop launch``).
+"""Start N local workers for `MultiWorkerMirroredStrategy` (`keras-fastloop launch`).
 
-``keras-fastloop launch --workers 2 -- train.py --epochs 3`` runs ``python train.py --epochs 3``
-twice, each with its own ``TF_CONFIG`` naming every worker on a free loopback port, prefixes
-every line a worker prints with ``[worker i]``, and exits non-zero if any worker fails or the
+`keras-fastloop launch --workers 2 -- train.py --epochs 3` runs `python train.py --epochs 3`
+twice, each with its own `TF_CONFIG` naming every worker on a free loopback port, prefixes
+every line a worker prints with `[worker i]`, and exits non-zero if any worker fails or the
 timeout passes (then every worker still running is terminated). The script itself only creates
-``tf.distribute.MultiWorkerMirroredStrategy()`` — it reads ``TF_CONFIG`` — before anything else
+`tf.distribute.MultiWorkerMirroredStrategy()` — it reads `TF_CONFIG` — before anything else
 touches TensorFlow's devices.
 
 On a real cluster use the cluster's own launcher instead (Slurm, Kubernetes): see the README
@@ -26,17 +26,17 @@ DEFAULT_TIMEOUT = 3600.0
 
 
 def free_ports(n, host="127.0.0.1"):
-    """``n`` distinct TCP ports free on ``host`` right now (the OS picks them: bind to port 0).
+    """`n` distinct TCP ports free on `host` right now (the OS picks them: bind to port 0).
 
     Args:
         n: positive int, how many ports.
-        host: string, default ``"127.0.0.1"``.
+        host: string, default `"127.0.0.1"`.
 
     Returns:
-        A list of ``n`` ints.
+        A list of `n` ints.
 
     Raises:
-        ValueError: if ``n`` is not a positive integer.
+        ValueError: if `n` is not a positive integer.
 
     Example:
         >>> len(free_ports(2))
@@ -57,18 +57,18 @@ def free_ports(n, host="127.0.0.1"):
 
 
 def tf_config(index, ports, host="127.0.0.1"):
-    """The ``TF_CONFIG`` dict of worker ``index`` in a cluster of local workers.
+    """The `TF_CONFIG` dict of worker `index` in a cluster of local workers.
 
     Args:
         index: int, this worker's index (worker 0 is the chief).
         ports: list of ints, one port per worker.
-        host: string, default ``"127.0.0.1"``.
+        host: string, default `"127.0.0.1"`.
 
     Returns:
-        ``{"cluster": {"worker": ["host:port", ...]}, "task": {"type": "worker", "index": i}}``.
+        `{"cluster": {"worker": ["host:port", ...]}, "task": {"type": "worker", "index": i}}`.
 
     Raises:
-        ValueError: if ``index`` is not a valid worker index.
+        ValueError: if `index` is not a valid worker index.
 
     Example:
         >>> tf_config(0, [2222, 2223])["cluster"]["worker"]
@@ -101,29 +101,29 @@ def launch(
     stdout=None,
     host="127.0.0.1",
 ):
-    """Run ``python script_args...`` as ``workers`` local workers and wait for all of them.
+    """Run `python script_args...` as `workers` local workers and wait for all of them.
 
-    Every worker gets ``TF_CONFIG`` (cluster of all workers on free loopback ports, its own
-    index) and ``KERAS_FASTLOOP_WORKER`` (its index); its stdout and stderr are streamed to
-    ``stdout`` line by line, prefixed ``[worker i] ``. If a worker fails, the others are given
+    Every worker gets `TF_CONFIG` (cluster of all workers on free loopback ports, its own
+    index) and `KERAS_FASTLOOP_WORKER` (its index); its stdout and stderr are streamed to
+    `stdout` line by line, prefixed `[worker i] `. If a worker fails, the others are given
     a moment to finish and are then terminated (a collective would wait for the dead worker
     forever).
 
     Args:
-        script_args: list of strings, the script and its arguments (``["train.py", "--x", "1"]``).
+        script_args: list of strings, the script and its arguments (`["train.py", "--x", "1"]`).
         workers: positive int, number of worker processes. Default 2.
         timeout: positive float, seconds before all workers are terminated. Default 3600.
-        python: string, the interpreter; default ``sys.executable``.
-        env: dict of environment variables for the workers; default a copy of ``os.environ``.
-        stdout: text stream for the prefixed output; default ``sys.stdout``.
-        host: string, the address workers listen on. Default ``"127.0.0.1"``.
+        python: string, the interpreter; default `sys.executable`.
+        env: dict of environment variables for the workers; default a copy of `os.environ`.
+        stdout: text stream for the prefixed output; default `sys.stdout`.
+        host: string, the address workers listen on. Default `"127.0.0.1"`.
 
     Returns:
         An int exit code: 0 if every worker exited with 0, else the first non-zero worker exit
         code (124 on timeout).
 
     Raises:
-        ValueError: empty ``script_args``, a non-positive ``workers`` or ``timeout``.
+        ValueError: empty `script_args`, a non-positive `workers` or `timeout`.
 
     Example:
         >>> launch(["train.py", "--epochs", "1"], workers=2, timeout=600)  # doctest: +SKIP
@@ -205,13 +205,13 @@ def launch(
 
 
 def add_arguments(parser):
-    """Adds ``launch``'s arguments to ``parser`` (the ``launch`` sub-command or its own parser).
+    """Adds `launch`'s arguments to `parser` (the `launch` sub-command or its own parser).
 
     Args:
-        parser: an ``argparse.ArgumentParser``.
+        parser: an `argparse.ArgumentParser`.
 
     Returns:
-        ``parser``.
+        `parser`.
     """
     parser.add_argument("--workers", type=int, default=2, help="number of workers (default 2)")
     parser.add_argument(
@@ -223,11 +223,11 @@ def add_arguments(parser):
 
 
 def run_parsed(args, parser):
-    """Checks parsed ``launch`` arguments and runs :func:`launch`; returns its exit code.
+    """Checks parsed `launch` arguments and runs `launch`; returns its exit code.
 
     Raises:
-        SystemExit: through ``parser.error`` (code 2) for a missing script, ``--workers < 1`` or
-            ``--timeout <= 0``.
+        SystemExit: through `parser.error` (code 2) for a missing script, `--workers < 1` or
+            `--timeout <= 0`.
     """
     script = list(args.script)
     if script and script[0] == "--":
@@ -245,13 +245,13 @@ DESCRIPTION = "Run a training script as N local MultiWorkerMirroredStrategy work
 
 
 def main(argv=None):
-    """Command line: ``keras-fastloop launch --workers N [--timeout S] -- script.py [args]``.
+    """Command line: `keras-fastloop launch --workers N [--timeout S] -- script.py [args]`.
 
     Args:
-        argv: list of strings after ``launch`` (default ``sys.argv[1:]``).
+        argv: list of strings after `launch` (default `sys.argv[1:]`).
 
     Returns:
-        The exit code of :func:`launch` (0 when every worker succeeded).
+        The exit code of `launch` (0 when every worker succeeded).
 
     Raises:
         SystemExit: on bad arguments (argparse), with code 2.

@@ -39,6 +39,6 @@ def fresh_user_mlp():
 
 
 def fresh_user_data():
-    """64 samples for :func:`fresh_user_mlp` (inputs, integer labels), seed 0."""
+    """64 samples for `fresh_user_mlp` (inputs, integer labels), seed 0."""
     rng = np.random.default_rng(0)
     return rng.normal(size=(64, 8)).astype("float32"), rng.integers(0, 3, 64)

@@ -35,5 +35,5 @@ def _seed_and_policy():
 
 @pytest.fixture
 def mirrored_strategy():
-    """Fixture form of :func:`two_replica_strategy`."""
+    """Fixture form of `two_replica_strategy`."""
     return two_replica_strategy()

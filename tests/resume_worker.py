@@ -1,18 +1,18 @@
 """Training process for tests/test_resume.py: trains a tiny OptimizedModel, may SIGKILL itself.
 
-Usage: ``python tests/resume_worker.py CONFIG_JSON``. The config holds:
+Usage: `python tests/resume_worker.py CONFIG_JSON`. The config holds:
 
-- ``case``: ``"plain"``, ``"mixed"`` (mixed_float16), ``"uw"``, ``"autoclip"`` or ``"pv"``
+- `case`: `"plain"`, `"mixed"` (mixed_float16), `"uw"`, `"autoclip"` or `"pv"`
   (PeriodicValidation driving an EarlyStopping).
-- ``out``: path prefix of the results (``.npz`` with every variable, ``.json`` with the rest).
-- ``backup_dir``: the ``BackupAndRestore`` directory (``save_freq`` = ``save_freq`` batches).
-- ``kill_after``: global batch count (1-based, over all epochs) after whose end the process kills
-  itself with SIGKILL (after ``BackupAndRestore`` has had its turn), or ``null``.
-- ``exact``: keep OptimizedModel's mid-epoch resume (``keras_fastloop._resume``); ``false`` switches it
+- `out`: path prefix of the results (`.npz` with every variable, `.json` with the rest).
+- `backup_dir`: the `BackupAndRestore` directory (`save_freq` = `save_freq` batches).
+- `kill_after`: global batch count (1-based, over all epochs) after whose end the process kills
+  itself with SIGKILL (after `BackupAndRestore` has had its turn), or `null`.
+- `exact`: keep OptimizedModel's mid-epoch resume (`keras_fastloop._resume`); `false` switches it
   off in this process, to show stock Keras' behaviour.
-- ``epochs``, ``steps_per_execution``, ``save_freq``.
+- `epochs`, `steps_per_execution`, `save_freq`.
 
-The data holds one NaN sample, so one update per epoch is skipped (``skipped_steps``) and, under
+The data holds one NaN sample, so one update per epoch is skipped (`skipped_steps`) and, under
 mixed precision, the loss scale is halved: both must survive the kill.
 """
 

@@ -1,8 +1,8 @@
 """Malformed configurations and inputs: each must fail early with a clear Keras-style message.
 
-Every entry of ``BAD_INPUTS`` is ``(id, call, exception type, message regex)``. The call fails at
-construction or in ``compile()`` (before any training step), and the message says what must hold
-and ends with ``Received: ...``. The regex is the message it gets (abridged):
+Every entry of `BAD_INPUTS` is `(id, call, exception type, message regex)`. The call fails at
+construction or in `compile()` (before any training step), and the message says what must hold
+and ends with `Received: ...`. The regex is the message it gets (abridged):
 
 ======================  ==========  =============================================================
 id                      raises      message
@@ -73,12 +73,12 @@ sched_decreasing_warmup ValueError  `warmup_target` must be >= `initial_learning
 sched_accumulation_0    ValueError  `gradient_accumulation_steps` must be None or an integer >= 1
 ======================  ==========  =============================================================
 
-Fixed since the first version of this file (``test_former_gaps_raise_before_training``):
-``loss_weights`` with NaN, an unknown loss id (now rejected at ``compile``), and
-``UncertaintyWeighting(initial_log_variance=nan)``. A ``micro_batch_size`` larger than the
+Fixed since the first version of this file (`test_former_gaps_raise_before_training`):
+`loss_weights` with NaN, an unknown loss id (now rejected at `compile`), and
+`UncertaintyWeighting(initial_log_variance=nan)`. A `micro_batch_size` larger than the
 batch is not an error but a warning, once (the step runs the batch as one micro-batch: exact,
-but no memory is saved; ``test_micro_batch_larger_than_batch_warns_once``). A
-``micro_batch_size`` that does not divide the batch is *not* an error: the last micro-batch is
+but no memory is saved; `test_micro_batch_larger_than_batch_warns_once`). A
+`micro_batch_size` that does not divide the batch is *not* an error: the last micro-batch is
 smaller and count-weighted, which micro_batching.py documents as exact.
 """
 
@@ -526,7 +526,7 @@ def _fit_with_warnings(samples, micro_batch_size, batch_size=4, epochs=2):
 def test_micro_batch_larger_than_batch_warns_once(samples):
     """Not an error: the batch runs as one micro-batch (exact), but no memory is saved.
 
-    With 8 samples and ``batch_size=4`` every batch's size is static: the warning comes when the
+    With 8 samples and `batch_size=4` every batch's size is static: the warning comes when the
     step is traced. With 10 the last batch is smaller, the batch dimension is unknown while
     tracing, and the warning comes at the end of the first epoch.
     """

@@ -1,4 +1,4 @@
-"""The ``keras-fastloop`` command line answers --help and --version without TensorFlow."""
+"""The `keras-fastloop` command line answers --help and --version without TensorFlow."""
 
 import os
 import subprocess

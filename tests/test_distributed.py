@@ -2,7 +2,7 @@
 
 Every test compares 1 replica (default strategy) with 2 replicas on the same global batches and
 the same initial weights. Case C10: clipping acts on the gradient that is applied (the sum over
-replicas), which Keras' own ``global_clipnorm`` does not.
+replicas), which Keras' own `global_clipnorm` does not.
 """
 
 import collections
@@ -73,7 +73,7 @@ def _initial_weights():
 
 
 def _train(strategy, cls=kf.OptimizedModel, epochs=2, data=None, optimizer=None, **kwargs):
-    """Fit under ``strategy``; return (per-epoch losses, final weights, per-replica weights)."""
+    """Fit under `strategy`; return (per-epoch losses, final weights, per-replica weights)."""
     x, y, sw = data if data is not None else _data()
     with strategy.scope():
         model = _build(cls, regularize=kwargs.pop("regularize", True))
@@ -243,8 +243,8 @@ def test_regularization_counted_once_per_global_batch():
     """Zero data loss (all sample weights 0): the update is the L2 term's alone, on 1 or 2 replicas.
 
     Keras 3.15's TensorFlow trainer divides regularization losses by the number of replicas
-    (``_aggregate_additional_loss``), so plain Keras counts them once as well; OptimizedModel
-    does the same division itself (its step does not use Keras' ``compute_loss``).
+    (`_aggregate_additional_loss`), so plain Keras counts them once as well; OptimizedModel
+    does the same division itself (its step does not use Keras' `compute_loss`).
     """
     strategy = _two_replicas()
     x, y, sw = _data(n=GLOBAL_BATCH)
@@ -270,10 +270,10 @@ def test_regularization_counted_once_per_global_batch():
 def _collective_ops(model, dataset):
     """Cross-replica collective ops in the traced train function, by op type.
 
-    Reads Keras 3.15's ``multi_step_on_iterator`` from the closure of ``train_function``: the
-    traced step must run under the model's own ``make_function`` (which keeps the optimizer
-    from all-reducing a second time), and Keras' ``train_function`` cannot be re-traced inside
-    another ``tf.function`` (its ``raise StopIteration``). Breaks loudly if Keras renames it.
+    Reads Keras 3.15's `multi_step_on_iterator` from the closure of `train_function`: the
+    traced step must run under the model's own `make_function` (which keeps the optimizer
+    from all-reducing a second time), and Keras' `train_function` cannot be re-traced inside
+    another `tf.function` (its `raise StopIteration`). Breaks loudly if Keras renames it.
     """
     model.make_train_function()
     fn = inspect.getclosurevars(model.train_function).nonlocals["multi_step_on_iterator"]

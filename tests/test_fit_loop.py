@@ -1,7 +1,7 @@
 """The fit loop (keras_fastloop/_fit_loop.py): features that compose, with the figures of issue 13.
 
-Each test compares against the reference run (uninterrupted, ``steps_per_execution=1``): exact
-optimizer step counts and weights. ``"auto"`` runs use a fake clock on which every execution
+Each test compares against the reference run (uninterrupted, `steps_per_execution=1`): exact
+optimizer step counts and weights. `"auto"` runs use a fake clock on which every execution
 takes 10 ms, so larger step counts always pay and the tuner really groups steps.
 """
 

@@ -1,15 +1,15 @@
 """Features that compose (issue 13): every pair of step features against its reference run.
 
-Features that must not change the mathematics ("neutral"): ``steps_per_execution=4``,
-``micro_batch_size``, two replicas, the optimizer's ``gradient_accumulation_steps`` (two batches
-of 8 accumulated == one batch of 16 with SGD). Features that do change it: ``gradient_clipping``,
-``mixed_float16``, a loss-based (``uw``) and a gradient-based (``pcgrad``) weighting. Each pair
+Features that must not change the mathematics ("neutral"): `steps_per_execution=4`,
+`micro_batch_size`, two replicas, the optimizer's `gradient_accumulation_steps` (two batches
+of 8 accumulated == one batch of 16 with SGD). Features that do change it: `gradient_clipping`,
+`mixed_float16`, a loss-based (`uw`) and a gradient-based (`pcgrad`) weighting. Each pair
 that contains a neutral feature is compared with the run without it (the reference:
-``steps_per_execution=1``, full batch, one replica, no accumulation) — exact to 1e-5, or to
-2e-3 under ``mixed_float16``, where float16 gradients are rounded per micro-batch or replica
+`steps_per_execution=1`, full batch, one replica, no accumulation) — exact to 1e-5, or to
+2e-3 under `mixed_float16`, where float16 gradients are rounded per micro-batch or replica
 before they are summed (a difference by nature). Pairs of two non-neutral features are checked
 for finite, decreasing training and exact step counts. The fit-loop pairs (resume,
-PeriodicValidation, ModelCheckpoint x ``steps_per_execution``) are in ``test_fit_loop.py``.
+PeriodicValidation, ModelCheckpoint x `steps_per_execution`) are in `test_fit_loop.py`.
 """
 
 import contextlib
@@ -52,7 +52,7 @@ def _build():
 
 
 def run(features):
-    """Train the two-head model with ``features``; returns (weights, history, iterations)."""
+    """Train the two-head model with `features`; returns (weights, history, iterations)."""
     features = set(features)
     if "mixed_float16" in features:
         keras.config.set_dtype_policy("mixed_float16")

@@ -18,7 +18,7 @@ def _tf_optimizer_class():
 
 
 def test_optimizer_all_reduce_hook_exists_and_is_the_only_gradient_sum():
-    """``gradients_already_reduced`` replaces this hook on the optimizer instance."""
+    """`gradients_already_reduced` replaces this hook on the optimizer instance."""
     cls = _tf_optimizer_class()
     assert isinstance(keras.optimizers.SGD(), cls)
     hook = cls._all_reduce_sum_gradients
@@ -34,7 +34,7 @@ def test_optimizer_all_reduce_hook_exists_and_is_the_only_gradient_sum():
 
 
 def test_loss_scale_optimizer_applies_through_its_inner_optimizer():
-    """The hook is replaced on ``inner_optimizer``; LSO must still delegate to it."""
+    """The hook is replaced on `inner_optimizer`; LSO must still delegate to it."""
     lso = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD())
     assert isinstance(lso.inner_optimizer, _tf_optimizer_class())
     source = inspect.getsource(type(lso)._stateful_handle_finite_grads)
@@ -63,7 +63,7 @@ def test_trainer_make_function_and_symbolic_build_signatures():
 
 
 def test_multi_worker_reduction_of_step_outputs_is_mean_over_axis_0():
-    """``make_function`` packs outputs as ``(1, K)`` because Keras reduces them this way."""
+    """`make_function` packs outputs as `(1, K)` because Keras reduces them this way."""
     from keras.src.backend.tensorflow import trainer
 
     source = inspect.getsource(trainer.reduce_per_replica)
@@ -77,7 +77,7 @@ def test_multi_worker_reduction_of_step_outputs_is_mean_over_axis_0():
 
 
 def test_merge_call_helpers_exist():
-    """``distributed.cond`` uses these to run branches with synchronisation points."""
+    """`distributed.cond` uses these to run branches with synchronisation points."""
     assert callable(tf.__internal__.distribute.strategy_supports_no_merge_call)
     strategy = tf.distribute.get_strategy()
     assert hasattr(strategy.extended, "call_for_each_replica")
@@ -119,7 +119,7 @@ def test_every_keras_internal_we_use_still_exists_with_its_signature():
 
 
 def test_epoch_iterator_seams_of_the_fit_loop():
-    """The fit loop replaces ``_enumerate_iterator`` on fit's iterator and reads its length."""
+    """The fit loop replaces `_enumerate_iterator` on fit's iterator and reads its length."""
     from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
     from keras.src.trainers.epoch_iterator import EpochIterator
 

@@ -1,6 +1,6 @@
 """Micro-batching: k micro-batches == one batch (C11, C16 via masked tokens, issue 5).
 
-Every reference is a plain ``keras.Model`` with the same initial weights trained on the full
+Every reference is a plain `keras.Model` with the same initial weights trained on the full
 batch, or a NumPy value.
 """
 

@@ -256,7 +256,7 @@ def test_step_state_is_not_in_model_weights_but_is_saved(tmp_path):
 
 
 class ScalarModel(kf.OptimizedModel):
-    """One scalar weight ``w`` (init 1.0); the output is ``w`` broadcast to the batch."""
+    """One scalar weight `w` (init 1.0); the output is `w` broadcast to the batch."""
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)

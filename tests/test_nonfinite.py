@@ -1,10 +1,10 @@
-"""Fault injection for ``compile(nonfinite="skip"|"raise"|"terminate")`` (keras_fastloop._step.guards).
+"""Fault injection for `compile(nonfinite="skip"|"raise"|"terminate")` (keras_fastloop._step.guards).
 
 The model has two outputs fed by disjoint input columns, with one loss each. A NaN written into
 input column 3 of one sample makes the total loss NaN but, since the gradient of a sum is 1 for
-each term, only the variables of output ``b`` get non-finite gradients: the first such variable
-is ``b``'s kernel, not the model's first variable. References are runs on the same data with the
-faulty batch removed (``skip``) or cut at the fault (``terminate``).
+each term, only the variables of output `b` get non-finite gradients: the first such variable
+is `b`'s kernel, not the model's first variable. References are runs on the same data with the
+faulty batch removed (`skip`) or cut at the fault (`terminate`).
 """
 
 import re

@@ -21,7 +21,7 @@ def rng_data(n=32, d=4, seed=0):
 
 
 def fit_pair(build, compile_kwargs, fit_args, fit_kwargs=None, classes=None):
-    """``build(cls)`` twice (same seed), compile and fit both; returns the two (history, model)."""
+    """`build(cls)` twice (same seed), compile and fit both; returns the two (history, model)."""
     classes = classes or (keras.Model, kf.OptimizedModel)
     results = []
     for cls in classes:

@@ -138,3 +138,19 @@ def test_every_module_is_public_on_purpose_or_private_by_name():
         assert f"keras_fastloop._step.{step_internal}" in {
             info.name for info in pkgutil.iter_modules(kf._step.__path__, "keras_fastloop._step.")
         }
+
+
+def test_one_docstring_markup():
+    """Keras' markup: single backticks, no reST roles or double backticks (code fences aside)."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(kf.__file__).parent
+    files = sorted(root.rglob("*.py")) + sorted((root.parent / "keras_fastloop_cli").rglob("*.py"))
+    offending = [
+        f"{path.name}:{n}"
+        for path in files
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if re.search(r":(class|func|mod|meth|attr):`|(?<!`)``(?!`)", line)
+    ]
+    assert not offending

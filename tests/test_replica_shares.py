@@ -1,7 +1,7 @@
 """Replicas with unequal shares of the loss denominator (issue 13, items 4 and 5).
 
 Each replica's Keras loss divides by its own denominator (samples, real tokens under a mask, or
-the sum of its sample weights); OptimizedModel weights it by ``R * D_r / D`` (one all-reduce),
+the sum of its sample weights); OptimizedModel weights it by `R * D_r / D` (one all-reduce),
 so 1 and 2 replicas agree for any split of the global batch (keras_fastloop/_step/loss_shares.py).
 Reference: the 1-replica run on the same global batches, and hand-computed values.
 """
@@ -106,7 +106,7 @@ def test_plain_keras_differs_on_the_split_batch():
 
 
 class NegativeDot(keras.losses.Loss):
-    """Per-token loss ``-<t, p>`` (linear: its gradient is ``-t``, whatever the weights)."""
+    """Per-token loss `-<t, p>` (linear: its gradient is `-t`, whatever the weights)."""
 
     def call(self, y_true, y_pred):
         return -keras.ops.sum(y_true * y_pred, axis=-1)
@@ -115,10 +115,10 @@ class NegativeDot(keras.losses.Loss):
 def _masked_run(strategy, cls=kf.OptimizedModel, **kwargs):
     """Token 1's embedding after one SGD(1.0) step on 2 sequences with 1 and 3 real tokens.
 
-    Targets ``t_A = [0, -1, 1]`` (sequence A's one token), ``t_B = [0, 1, -1]`` (B's three).
-    Global mean over the 4 real tokens: ``grad = -(t_A + 3 t_B) / 4 = [0, -0.5, 0.5]``, so
-    ``e_1 = [1, 0, 0] - grad = [1, 0.5, -0.5]``. Averaging the replicas' own means instead gives
-    ``-(t_A / 1 + 3 t_B / 3) / 2 = 0``: ``e_1`` stays ``[1, 0, 0]``.
+    Targets `t_A = [0, -1, 1]` (sequence A's one token), `t_B = [0, 1, -1]` (B's three).
+    Global mean over the 4 real tokens: `grad = -(t_A + 3 t_B) / 4 = [0, -0.5, 0.5]`, so
+    `e_1 = [1, 0, 0] - grad = [1, 0.5, -0.5]`. Averaging the replicas' own means instead gives
+    `-(t_A / 1 + 3 t_B / 3) / 2 = 0`: `e_1` stays `[1, 0, 0]`.
     """
     ids = np.array([[1, 0, 0, 0], [1, 1, 1, 0]], "int32")
     t_a, t_b = [0.0, -1.0, 1.0], [0.0, 1.0, -1.0]

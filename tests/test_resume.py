@@ -1,17 +1,17 @@
-"""Exact resume after a real SIGKILL, with ``keras.callbacks.BackupAndRestore(save_freq=N)``.
+"""Exact resume after a real SIGKILL, with `keras.callbacks.BackupAndRestore(save_freq=N)`.
 
-Each test runs ``tests/resume_worker.py`` in subprocesses: once uninterrupted, once killed with
-SIGKILL (from a callback, after ``BackupAndRestore`` saved at global batch 16 and two batches
+Each test runs `tests/resume_worker.py` in subprocesses: once uninterrupted, once killed with
+SIGKILL (from a callback, after `BackupAndRestore` saved at global batch 16 and two batches
 later, i.e. in the middle of epoch 1), then again to completion. Every variable (model weights,
-the ``uw`` log-variances, optimizer slots and ``iterations``, the loss scale, ``skipped_steps``,
-AutoClip's history) and PeriodicValidation's history and driven ``EarlyStopping`` state must
-equal the uninterrupted run's (max |diff| <= 1e-6; CPU, ``enable_op_determinism``). The
-learning-rate schedule reads ``optimizer.iterations``, so its position is checked through it and
-through the weights. The data hold a NaN sample, so ``skipped_steps`` (and, under mixed
+the `uw` log-variances, optimizer slots and `iterations`, the loss scale, `skipped_steps`,
+AutoClip's history) and PeriodicValidation's history and driven `EarlyStopping` state must
+equal the uninterrupted run's (max |diff| <= 1e-6; CPU, `enable_op_determinism`). The
+learning-rate schedule reads `optimizer.iterations`, so its position is checked through it and
+through the weights. The data hold a NaN sample, so `skipped_steps` (and, under mixed
 precision, the halved loss scale) differ from their initial values before the kill.
 
-``test_stock_keras_restarts_the_epoch`` documents what Keras 3.15 alone does (re-runs the
-interrupted epoch from its first batch): without ``keras_fastloop._resume`` the weights differ.
+`test_stock_keras_restarts_the_epoch` documents what Keras 3.15 alone does (re-runs the
+interrupted epoch from its first batch): without `keras_fastloop._resume` the weights differ.
 """
 
 import json
@@ -125,7 +125,7 @@ def test_stock_keras_restarts_the_epoch(tmp_path, plain_full):
 def test_second_kill_in_the_resumed_epoch(tmp_path, plain_full):
     """Killed at batch 18, resumed, killed again at batch 22 (after the save at 20), resumed.
 
-    Stock Keras would write ``"epoch": 0`` with the save at batch 20 and replay epoch 0.
+    Stock Keras would write `"epoch": 0` with the save at batch 20 and replay epoch 0.
     """
     resumed = kill_and_resume(tmp_path, "plain", kills=(18, 22))
     assert_same_end(plain_full, resumed, first=(1, 8))

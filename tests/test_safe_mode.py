@@ -1,9 +1,9 @@
-"""``.keras`` files: OptimizedModel loads with ``safe_mode=True`` and no ``custom_objects``; files
+"""`.keras` files: OptimizedModel loads with `safe_mode=True` and no `custom_objects`; files
 with a Python lambda or an unknown object are refused without running any of their code.
 
-The refusals are checked in a fresh subprocess (only ``keras_fastloop`` imported, nothing else
+The refusals are checked in a fresh subprocess (only `keras_fastloop` imported, nothing else
 registered), with a side effect (a marker file) that the refused code would cause; the same load
-with ``safe_mode=False`` does cause it, so the test can tell the difference.
+with `safe_mode=False` does cause it, so the test can tell the difference.
 """
 
 import os

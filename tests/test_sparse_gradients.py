@@ -1,12 +1,12 @@
-"""Embedding gradients (``tf.IndexedSlices`` with repeated ids) under clipping (issue 14, item 1).
+"""Embedding gradients (`tf.IndexedSlices` with repeated ids) under clipping (issue 14, item 1).
 
-The model is an ``Embedding(3, 1)`` (zeros) whose 4 looked-up values are summed by a frozen
-``Dense`` of ones, trained with SGD(1.0) on ``mse``. With ids ``[0, 0, 0, 0]`` and target ``-3``
-every looked-up row gets the same gradient ``g``, so the raw slices hold 4 rows of ``g`` for id 0
-(norm ``2 |g|``) while the true gradient of row 0 is ``4 g`` (norm ``4 |g|``). One sample:
-``g = 2 * (0 - (-3)) = 6``: true norm 24, raw norm 12. Two identical samples (mean over the
-batch): ``g = 3`` over 8 rows, true norm 24 again (raw norm 8.49). After a step, row 0 moves by
-``-clipped gradient`` (SGD, learning rate 1).
+The model is an `Embedding(3, 1)` (zeros) whose 4 looked-up values are summed by a frozen
+`Dense` of ones, trained with SGD(1.0) on `mse`. With ids `[0, 0, 0, 0]` and target `-3`
+every looked-up row gets the same gradient `g`, so the raw slices hold 4 rows of `g` for id 0
+(norm `2 |g|`) while the true gradient of row 0 is `4 g` (norm `4 |g|`). One sample:
+`g = 2 * (0 - (-3)) = 6`: true norm 24, raw norm 12. Two identical samples (mean over the
+batch): `g = 3` over 8 rows, true norm 24 again (raw norm 8.49). After a step, row 0 moves by
+`-clipped gradient` (SGD, learning rate 1).
 """
 
 import contextlib

@@ -1,17 +1,17 @@
-"""Cross-replica helpers for the step under ``tf.distribute`` (internal to the step).
+"""Cross-replica helpers for the step under `tf.distribute` (internal to the step).
 
-- :func:`all_reduce_sum` sums the gradients across replicas once; the finite check and clipping
-  act on that sum, and :func:`gradients_already_reduced` keeps the optimizer from summing again
-  (case C10: Keras' ``global_clipnorm`` clips each replica's share, tensorflow#33929).
-- :func:`cond` is a replica-context ``tf.cond`` whose branches may synchronise (``merge_call``).
-- :func:`first_local_batch`, :func:`maybe_symbolic_build` and :func:`make_function` correct
-  ``keras.Model.fit`` under ``MultiWorkerMirroredStrategy`` (keras-team/keras#20585) on the model
+- `all_reduce_sum` sums the gradients across replicas once; the finite check and clipping
+  act on that sum, and `gradients_already_reduced` keeps the optimizer from summing again
+  (case C10: Keras' `global_clipnorm` clips each replica's share, tensorflow#33929).
+- `cond` is a replica-context `tf.cond` whose branches may synchronise (`merge_call`).
+- `first_local_batch`, `maybe_symbolic_build` and `make_function` correct
+  `keras.Model.fit` under `MultiWorkerMirroredStrategy` (keras-team/keras#20585) on the model
   instance: the build reads the first local batch instead of reducing it across workers, and
-  the step's outputs travel as one ``(1, K)`` float64 tensor (private ``_OutputPacker``) so that
-  Keras' per-output MEAN over ``axis=0`` becomes one collective over replicas.
+  the step's outputs travel as one `(1, K)` float64 tensor (private `_OutputPacker`) so that
+  Keras' per-output MEAN over `axis=0` becomes one collective over replicas.
 
-Why, and the Keras internals relied on (pinned by ``tests/test_keras_internals.py``):
-``docs/design.md``, section "Distributed training".
+Why, and the Keras internals relied on (pinned by `tests/test_keras_internals.py`):
+`docs/design.md`, section "Distributed training".
 """
 
 from __future__ import annotations
@@ -64,32 +64,32 @@ def all_reduce_sum(grads):
 
 
 def _needs_merge_call():
-    """Whether synchronisation in replica context goes through ``merge_call`` (not in a cond)."""
+    """Whether synchronisation in replica context goes through `merge_call` (not in a cond)."""
     if not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context():
         return False
     return not tf.__internal__.distribute.strategy_supports_no_merge_call()
 
 
 def cond(pred, true_fn, false_fn=None, args=()):
-    """``ops.cond`` in replica context whose branches may hold synchronisation points.
+    """`ops.cond` in replica context whose branches may hold synchronisation points.
 
-    Under a strategy that synchronises with ``merge_call`` (``MirroredStrategy``,
-    ``MultiWorkerMirroredStrategy``), enters cross-replica context, takes ``pred`` from the
+    Under a strategy that synchronises with `merge_call` (`MirroredStrategy`,
+    `MultiWorkerMirroredStrategy`), enters cross-replica context, takes `pred` from the
     first local replica and calls the chosen branch on every replica with that replica's
-    ``args``. Elsewhere it is a plain ``tf.cond``.
+    `args`. Elsewhere it is a plain `tf.cond`.
 
     Args:
         pred: scalar boolean tensor, **identical on every replica** (e.g. computed from
             all-reduced values).
-        true_fn: callable ``true_fn(*args)``, run when ``pred`` is true. Its return value is
+        true_fn: callable `true_fn(*args)`, run when `pred` is true. Its return value is
             ignored (use it for side effects: optimizer updates, variable assignments).
-        false_fn: callable ``false_fn(*args)`` or ``None`` (default: do nothing).
+        false_fn: callable `false_fn(*args)` or `None` (default: do nothing).
         args: tuple of per-replica tensors (or nests) passed to the branch. Every replica-local
-            tensor a branch uses must come through ``args``, never a closure: only one replica's
-            closure survives ``merge_call``.
+            tensor a branch uses must come through `args`, never a closure: only one replica's
+            closure survives `merge_call`.
 
     Returns:
-        ``None``.
+        `None`.
 
     Example:
         >>> finite = tf.constant(True)
@@ -126,11 +126,11 @@ def cond(pred, true_fn, false_fn=None, args=()):
 
 @contextlib.contextmanager
 def gradients_already_reduced(optimizer):
-    """While active, ``optimizer`` applies gradients as given, without its cross-replica sum.
+    """While active, `optimizer` applies gradients as given, without its cross-replica sum.
 
-    Replaces Keras' ``TFOptimizer._all_reduce_sum_gradients`` on the optimizer *instance* (a
-    ``LossScaleOptimizer`` is unwrapped to its inner optimizer) for the duration of the trace.
-    Re-entrant and safe for the replica threads of ``MirroredStrategy``, which enter and leave it
+    Replaces Keras' `TFOptimizer._all_reduce_sum_gradients` on the optimizer *instance* (a
+    `LossScaleOptimizer` is unwrapped to its inner optimizer) for the duration of the trace.
+    Re-entrant and safe for the replica threads of `MirroredStrategy`, which enter and leave it
     interleaved: the hook is installed by the first to enter and removed by the last to leave.
 
     Args:
@@ -140,7 +140,7 @@ def gradients_already_reduced(optimizer):
         A context manager.
 
     Raises:
-        RuntimeError: if the Keras optimizer has no ``_all_reduce_sum_gradients`` hook while
+        RuntimeError: if the Keras optimizer has no `_all_reduce_sum_gradients` hook while
             training with more than one replica (a Keras upgrade changed it; applying as-is
             would sum the gradients twice).
 
@@ -178,10 +178,10 @@ def gradients_already_reduced(optimizer):
 
 
 def is_multi_worker(strategy) -> bool:
-    """Whether ``strategy`` is a ``MultiWorkerMirroredStrategy`` (whose step outputs Keras mis-reduces).
+    """Whether `strategy` is a `MultiWorkerMirroredStrategy` (whose step outputs Keras mis-reduces).
 
     Args:
-        strategy: a ``tf.distribute.Strategy``.
+        strategy: a `tf.distribute.Strategy`.
 
     Returns:
         A bool.
@@ -197,8 +197,8 @@ def first_local_batch(strategy, batch):
     """The first local replica's part of a distributed batch (plain tensors pass through).
 
     Args:
-        strategy: the ``tf.distribute.Strategy`` that distributed ``batch``.
-        batch: a nest of tensors and ``tf.distribute.DistributedValues``.
+        strategy: the `tf.distribute.Strategy` that distributed `batch`.
+        batch: a nest of tensors and `tf.distribute.DistributedValues`.
 
     Returns:
         The same nest with every distributed value replaced by its first local component.
@@ -217,21 +217,21 @@ def first_local_batch(strategy, batch):
 
 
 def maybe_symbolic_build(model, keras_maybe_symbolic_build, iterator=None, data_batch=None):
-    """``Trainer._maybe_symbolic_build`` that works under ``MultiWorkerMirroredStrategy``.
+    """`Trainer._maybe_symbolic_build` that works under `MultiWorkerMirroredStrategy`.
 
-    Keras reduces the first batch across replicas (``strategy.reduce("MEAN", batch)``) only to
-    learn its shapes; under ``MultiWorkerMirroredStrategy`` that fails ("Attempt to convert a
+    Keras reduces the first batch across replicas (`strategy.reduce("MEAN", batch)`) only to
+    learn its shapes; under `MultiWorkerMirroredStrategy` that fails ("Attempt to convert a
     value (PerReplica...)", keras-team/keras#20585). Here the first local replica's batch is used
     instead. Other strategies keep Keras' own method.
 
     Args:
         model: the Keras model being trained.
-        keras_maybe_symbolic_build: Keras' bound method (``super()._maybe_symbolic_build``).
-        iterator: Keras' epoch iterator, or ``None``.
-        data_batch: a batch, or ``None``.
+        keras_maybe_symbolic_build: Keras' bound method (`super()._maybe_symbolic_build`).
+        iterator: Keras' epoch iterator, or `None`.
+        data_batch: a batch, or `None`.
 
     Returns:
-        ``None``.
+        `None`.
 
     Example:
         >>> # in OptimizedModel: distributed.maybe_symbolic_build(self, super()._maybe_symbolic_build, ...)
@@ -249,7 +249,7 @@ def maybe_symbolic_build(model, keras_maybe_symbolic_build, iterator=None, data_
 
 
 class _OutputPacker:
-    """Packs a step's outputs into one ``(1, K)`` float64 tensor and back (trace-time spec)."""
+    """Packs a step's outputs into one `(1, K)` float64 tensor and back (trace-time spec)."""
 
     def __init__(self):
         self.structure = None
@@ -283,23 +283,23 @@ class _OutputPacker:
 
 
 def make_function(model, keras_make_function, step_function):
-    """``TensorFlowTrainer._make_function`` whose outputs survive ``MultiWorkerMirroredStrategy``.
+    """`TensorFlowTrainer._make_function` whose outputs survive `MultiWorkerMirroredStrategy`.
 
-    Keras reduces every step output with ``strategy.reduce("MEAN", v, axis=0)`` under
-    ``MultiWorkerMirroredStrategy``: scalar outputs fail (no axis 0), other outputs would be
+    Keras reduces every step output with `strategy.reduce("MEAN", v, axis=0)` under
+    `MultiWorkerMirroredStrategy`: scalar outputs fail (no axis 0), other outputs would be
     averaged over their own first axis, and every output costs a collective. Here the step
-    returns all its outputs packed into one ``(1, K)`` tensor, which Keras' reduction averages
+    returns all its outputs packed into one `(1, K)` tensor, which Keras' reduction averages
     over replicas in one collective, and the function Keras builds is wrapped to unpack them.
     Other strategies keep Keras' function unchanged.
 
     Args:
         model: the Keras model.
-        keras_make_function: Keras' bound ``super()._make_function``.
-        step_function: ``model.train_step`` or ``model.test_step``.
+        keras_make_function: Keras' bound `super()._make_function`.
+        step_function: `model.train_step` or `model.test_step`.
 
     Returns:
-        The callable ``function(iterator) -> logs`` that Keras stores as ``train_function`` /
-        ``test_function``.
+        The callable `function(iterator) -> logs` that Keras stores as `train_function` /
+        `test_function`.
 
     Example:
         >>> # in OptimizedModel: distributed.make_function(self, super()._make_function, step)

@@ -1,24 +1,24 @@
-"""What the step does with a non-finite gradient: ``compile(nonfinite="skip"|"raise"|"terminate")``.
+"""What the step does with a non-finite gradient: `compile(nonfinite="skip"|"raise"|"terminate")`.
 
-* ``"skip"`` (default): the whole update is skipped on every replica (weights, optimizer slots,
-  ``iterations``) and counted in ``skipped_steps``; training goes on. A warning is issued once
-  when more than ``SKIP_RATE_WARNING`` of an epoch's batches were skipped.
-* ``"raise"``: the update is skipped, every later update is blocked (also inside the same
-  ``steps_per_execution`` block), the step records the optimizer step and the first variable
-  whose gradient is not finite, and ``fit`` (``train_on_batch``) raises :class:`NonFiniteError`
+* `"skip"` (default): the whole update is skipped on every replica (weights, optimizer slots,
+  `iterations`) and counted in `skipped_steps`; training goes on. A warning is issued once
+  when more than `SKIP_RATE_WARNING` of an epoch's batches were skipped.
+* `"raise"`: the update is skipped, every later update is blocked (also inside the same
+  `steps_per_execution` block), the step records the optimizer step and the first variable
+  whose gradient is not finite, and `fit` (`train_on_batch`) raises `NonFiniteError`
   with that message at the end of the batch, from Python (not from inside the graph). The
   weights are those of the last good step.
-* ``"terminate"``: the update is skipped, every later update is blocked (also inside the same
-  ``steps_per_execution`` block), and training stops cleanly at the end of the batch, like
-  ``keras.callbacks.TerminateOnNaN`` but keeping the last good weights.
+* `"terminate"`: the update is skipped, every later update is blocked (also inside the same
+  `steps_per_execution` block), and training stops cleanly at the end of the batch, like
+  `keras.callbacks.TerminateOnNaN` but keeping the last good weights.
 
-Under dynamic loss scaling (``LossScaleOptimizer``) an overflowing gradient is part of normal
-operation: Keras halves the scale and skips the step. There ``"raise"`` and ``"terminate"`` act
+Under dynamic loss scaling (`LossScaleOptimizer`) an overflowing gradient is part of normal
+operation: Keras halves the scale and skips the step. There `"raise"` and `"terminate"` act
 only when the *unscaled loss* is non-finite (a real divergence), never on a scale overflow.
-Under ``"skip"`` a non-finite loss (bad data: NaN/inf in inputs, labels or sample weights that
-reaches the loss) skips the step without handing the gradient to the ``LossScaleOptimizer``, so
+Under `"skip"` a non-finite loss (bad data: NaN/inf in inputs, labels or sample weights that
+reaches the loss) skips the step without handing the gradient to the `LossScaleOptimizer`, so
 the scale is not halved; only a finite loss whose scaled gradient overflows halves it (a finite
-loss with a non-finite gradient, e.g. an ``inf`` input saturated by ``tanh``, counts as an
+loss with a non-finite gradient, e.g. an `inf` input saturated by `tanh`, counts as an
 overflow). Every decision is taken on the all-reduced gradient and loss, hence the same on
 every replica.
 """
@@ -39,7 +39,7 @@ SKIP_RATE_MIN_SKIPS = 5
 
 
 class NonFiniteError(FloatingPointError):
-    """Raised by ``fit``/``train_on_batch`` under ``compile(nonfinite="raise")``.
+    """Raised by `fit`/`train_on_batch` under `compile(nonfinite="raise")`.
 
     The message names the optimizer step and the first variable whose gradient is not finite;
     that step's update was not applied.
@@ -47,11 +47,11 @@ class NonFiniteError(FloatingPointError):
 
 
 def build(state, policy):
-    """Create the variables of ``policy`` on the model's step ``state`` (in ``compile()``).
+    """Create the variables of `policy` on the model's step `state` (in `compile()`).
 
-    ``"raise"`` records the first fault: ``nonfinite_step`` (the optimizer step, ``-1`` for
-    none) and ``nonfinite_variable`` (index of the first variable whose gradient is not finite,
-    ``-1`` when every gradient is finite but the loss is not).
+    `"raise"` records the first fault: `nonfinite_step` (the optimizer step, `-1` for
+    none) and `nonfinite_variable` (index of the first variable whose gradient is not finite,
+    `-1` when every gradient is finite but the loss is not).
     """
     if policy != "raise" or hasattr(state, "nonfinite_step"):
         return
@@ -68,7 +68,7 @@ def build(state, policy):
 
 
 def first_nonfinite_index(grads):
-    """Scalar int32 tensor: index of the first gradient that is not finite (``-1`` for none)."""
+    """Scalar int32 tensor: index of the first gradient that is not finite (`-1` for none)."""
     flags = ops.stack([ops.logical_not(ops.all(ops.isfinite(_values(g)))) for g in grads])
     index = ops.cast(tf.argmax(ops.cast(flags, "int32")), "int32")
     return ops.where(ops.any(flags), index, -1)
@@ -82,16 +82,16 @@ def check(policy, state, finite, loss_finite, grads, variables, iterations):
     """Apply the policy before the update; returns the extra condition the update needs.
 
     Args:
-        policy: ``"skip"``, ``"raise"`` or ``"terminate"``.
-        state: the model's :class:`~keras_fastloop._step.state.StepState`.
+        policy: `"skip"`, `"raise"` or `"terminate"`.
+        state: the model's `StepState`.
         finite: scalar bool tensor, the (cross-replica) gradient is finite.
-        loss_finite: scalar bool tensor or ``None``; with loss scaling, the policy acts on it
-            instead of ``finite``.
+        loss_finite: scalar bool tensor or `None`; with loss scaling, the policy acts on it
+            instead of `finite`.
         grads, variables: the unscaled gradients and their variables (to name the culprit).
         iterations: the optimizer's step counter (for the message).
 
     Returns:
-        ``None`` (no extra condition) or a scalar bool tensor that must hold for the update.
+        `None` (no extra condition) or a scalar bool tensor that must hold for the update.
     """
     trigger = ops.logical_not(finite if loss_finite is None else loss_finite)
     if policy == "raise":
@@ -111,13 +111,13 @@ def check(policy, state, finite, loss_finite, grads, variables, iterations):
 
 
 class NonFiniteMonitor(keras.callbacks.Callback):
-    """Internal callback of ``OptimizedModel.fit`` for the non-finite policy.
+    """Internal callback of `OptimizedModel.fit` for the non-finite policy.
 
-    For ``"skip"`` it only looks at epoch ends (no per-batch hook, so Keras keeps dispatching
-    batch callbacks asynchronously and the default setup is as fast as plain ``fit``): it warns
-    once when more than ``SKIP_RATE_WARNING`` of an epoch's batches, and at least
-    ``SKIP_RATE_MIN_SKIPS`` of them, were skipped. For ``"terminate"`` it also checks after
-    every batch (every execution with ``steps_per_execution > 1``) and stops training.
+    For `"skip"` it only looks at epoch ends (no per-batch hook, so Keras keeps dispatching
+    batch callbacks asynchronously and the default setup is as fast as plain `fit`): it warns
+    once when more than `SKIP_RATE_WARNING` of an epoch's batches, and at least
+    `SKIP_RATE_MIN_SKIPS` of them, were skipped. For `"terminate"` it also checks after
+    every batch (every execution with `steps_per_execution > 1`) and stops training.
     """
 
     def __init__(self, policy):
@@ -171,7 +171,7 @@ def _clear_record(state):
 
 
 def raise_if_recorded(model):
-    """Raise :class:`NonFiniteError` if a step of ``model`` recorded a fault (``"raise"``).
+    """Raise `NonFiniteError` if a step of `model` recorded a fault (`"raise"`).
 
     The record is cleared first, and updates are unblocked, so the model can train again.
 

@@ -1,31 +1,31 @@
 """A batch's Keras loss as a sum of shares: over micro-batches and over replicas.
 
-A Keras loss with reduction ``"sum_over_batch_size"``, ``"mean"`` or
-``"mean_with_sample_weight"`` is a ratio ``L = N / D``: ``N`` sums the (sample-weighted,
-masked) loss elements and ``D`` is its denominator, a sum over samples too:
+A Keras loss with reduction `"sum_over_batch_size"`, `"mean"` or
+`"mean_with_sample_weight"` is a ratio `L = N / D`: `N` sums the (sample-weighted,
+masked) loss elements and `D` is its denominator, a sum over samples too:
 
 - no Keras mask on the prediction: the number of elements (proportional to the number of
-  samples ``n``), or ``sum(sample_weight)`` for ``"mean_with_sample_weight"`` with sample
+  samples `n`), or `sum(sample_weight)` for `"mean_with_sample_weight"` with sample
   weights;
-- a Keras mask on the prediction (``Embedding(mask_zero=True)``, ``Masking``): the number of
-  unmasked elements (sample-weighted for ``"mean_with_sample_weight"``), counted by Keras' own
-  reduction code (:class:`CountProbe`).
+- a Keras mask on the prediction (`Embedding(mask_zero=True)`, `Masking`): the number of
+  unmasked elements (sample-weighted for `"mean_with_sample_weight"`), counted by Keras' own
+  reduction code (`CountProbe`).
 
-So for any split of the batch into parts ``p`` (micro-batches, or the shards of the replicas)::
+So for any split of the batch into parts `p` (micro-batches, or the shards of the replicas)::
 
     L = sum_p (D_p / D) * L_p                      (D = sum_p D_p)
 
-Every part's own Keras loss ``L_p`` is weighted by its *share* ``D_p / D`` of the whole
-denominator. ``"sum"`` is not divided: ``L = sum_p L_p`` (share 1). :func:`denominator` gives
-``D_p`` for one task's term; :mod:`keras_fastloop._step.micro_batching` uses it for micro-batches and
-:func:`sync_replicas` for replicas.
+Every part's own Keras loss `L_p` is weighted by its *share* `D_p / D` of the whole
+denominator. `"sum"` is not divided: `L = sum_p L_p` (share 1). `denominator` gives
+`D_p` for one task's term; `keras_fastloop._step.micro_batching` uses it for micro-batches and
+`sync_replicas` for replicas.
 
-**Replicas.** Under ``tf.distribute`` each replica's Keras loss is ``(N_r / D_r) / R``
-(``R`` replicas; ``"sum"`` is not scaled), which adds up to the global mean only when every
-replica holds the same share ``D_r / D = 1 / R``: not so for a last, smaller global batch split
-2/1, nor for masked tokens spread unevenly. :func:`sync_replicas` all-reduces every task's
-``D_r`` (and the batch size, and each replica's numerator) in **one** small all-reduce per step
-and weights the replica's loss by ``R * D_r / D`` (held constant), so the replicas' losses add up
+**Replicas.** Under `tf.distribute` each replica's Keras loss is `(N_r / D_r) / R`
+(`R` replicas; `"sum"` is not scaled), which adds up to the global mean only when every
+replica holds the same share `D_r / D = 1 / R`: not so for a last, smaller global batch split
+2/1, nor for masked tokens spread unevenly. `sync_replicas` all-reduces every task's
+`D_r` (and the batch size, and each replica's numerator) in **one** small all-reduce per step
+and weights the replica's loss by `R * D_r / D` (held constant), so the replicas' losses add up
 to the 1-replica loss for any split, and so do their gradients.
 """
 
@@ -44,9 +44,9 @@ DIVIDING_REDUCTIONS = ("sum_over_batch_size", "mean", "mean_with_sample_weight")
 
 
 class CountProbe(keras.losses.Loss):
-    """``"sum"``-reduced loss of ones: Keras' own count of a loss's (weighted, unmasked) elements.
+    """`"sum"`-reduced loss of ones: Keras' own count of a loss's (weighted, unmasked) elements.
 
-    Called like the task's loss, it returns ``sum(ones * sample_weight * mask)`` with Keras'
+    Called like the task's loss, it returns `sum(ones * sample_weight * mask)` with Keras'
     broadcasting rules: the denominator of the task's loss (up to a factor that is the same for
     every part of the batch).
     """
@@ -70,16 +70,16 @@ def is_masked(term):
 
 
 def denominator(term, size, probe=None):
-    """``D_p``: the denominator of one task's Keras loss on one part of the batch.
+    """`D_p`: the denominator of one task's Keras loss on one part of the batch.
 
     Args:
-        term: the task's :class:`~keras_fastloop._step.losses.TaskTerm` on this part.
+        term: the task's `TaskTerm` on this part.
         size: int or int32 scalar, the part's number of samples.
-        probe: optional :class:`CountProbe` of the task's loss (made on demand).
+        probe: optional `CountProbe` of the task's loss (made on demand).
 
     Returns:
-        A float32 scalar (a count of elements is given as ``size``, the same factor for every
-        part), or ``None`` when the loss is not divided (``"sum"``, ``"none"``).
+        A float32 scalar (a count of elements is given as `size`, the same factor for every
+        part), or `None` when the loss is not divided (`"sum"`, `"none"`).
     """
     reduction = term.loss_fn.reduction
     if reduction not in DIVIDING_REDUCTIONS:
@@ -95,16 +95,16 @@ def denominator(term, size, probe=None):
 
 @dataclasses.dataclass
 class ReplicaSync:
-    """What :func:`sync_replicas` learned in its one all-reduce.
+    """What `sync_replicas` learned in its one all-reduce.
 
     Attributes:
-        factors: float32 ``(T,)``, held constant: ``R * D_r / D`` per dividing task, ``1`` for
+        factors: float32 `(T,)`, held constant: `R * D_r / D` per dividing task, `1` for
             the others (all ones with one replica).
         batch_size: int32 scalar, the global batch's number of samples (the loss trackers'
             weight, so that the replicas' updates add up to the 1-replica epoch mean).
-        global_losses: float32 ``(T,)``, every task's loss on the global batch (``None`` when
+        global_losses: float32 `(T,)`, every task's loss on the global batch (`None` when
             no losses were given).
-        global_extra: float32 scalar, the sum over replicas of ``extra`` (``None`` if not given).
+        global_extra: float32 scalar, the sum over replicas of `extra` (`None` if not given).
     """
 
     factors: object
@@ -117,16 +117,16 @@ def sync_replicas(denominators, batch_size, losses=None, extra=None):
     """One all-reduce of the step's denominators (only with more than one replica).
 
     Args:
-        denominators: per task, the replica's ``D_r`` (float32 scalar), or ``None`` for a loss
+        denominators: per task, the replica's `D_r` (float32 scalar), or `None` for a loss
             that is not divided.
         batch_size: int32 scalar, the replica's number of samples.
-        losses: optional per-task float32 scalars, the replica's Keras losses (``x 1/R`` for
+        losses: optional per-task float32 scalars, the replica's Keras losses (`x 1/R` for
             dividing reductions, as Keras scales them); their global values come back too.
         extra: optional float32 scalar summed across replicas in the same all-reduce (the
             regularization losses, for the step's non-finite check).
 
     Returns:
-        A :class:`ReplicaSync`.
+        A `ReplicaSync`.
     """
     num_tasks = len(denominators)
     replicas = distributed.num_replicas()
@@ -161,10 +161,10 @@ def sync_replicas(denominators, batch_size, losses=None, extra=None):
 
 
 def global_share(local, global_loss):
-    """A replica's loss whose value is ``global_loss / R`` and whose gradient is ``local``'s.
+    """A replica's loss whose value is `global_loss / R` and whose gradient is `local`'s.
 
     Every replica then hands the loss weighting the same value (the global loss, scaled by
-    ``1 / R`` as Keras' losses are), so a weighting that is not linear in the losses (FAMO's
+    `1 / R` as Keras' losses are), so a weighting that is not linear in the losses (FAMO's
     logarithm) sees the global losses, while each replica's gradient is its own share's (the
     gradients' all-reduce adds them up to the global gradient).
     """
@@ -182,16 +182,16 @@ def replica_losses(terms, extra=None):
     """The tasks' losses of one replica, as its shares of the global batch's losses.
 
     Args:
-        terms: the replica's :class:`~keras_fastloop._step.losses.TaskTerm` list (from the default
-            ``compute_loss``).
+        terms: the replica's `TaskTerm` list (from the default
+            `compute_loss`).
         extra: optional float32 scalar to sum across replicas in the same all-reduce.
 
     Returns:
-        ``(values, sync)``: per task a float32 scalar whose value is the global loss ``/ R``
-        (the same on every replica, see :func:`global_share`) and whose gradient is the
-        replica's share ``(R * D_r / D) * L_r``'s; and the :class:`ReplicaSync` (global batch
-        size, global losses, ``extra`` summed). With one replica: the terms' own values and
-        ``ReplicaSync(None, batch_size)``, no collective.
+        `(values, sync)`: per task a float32 scalar whose value is the global loss `/ R`
+        (the same on every replica, see `global_share`) and whose gradient is the
+        replica's share `(R * D_r / D) * L_r`'s; and the `ReplicaSync` (global batch
+        size, global losses, `extra` summed). With one replica: the terms' own values and
+        `ReplicaSync(None, batch_size)`, no collective.
     """
     values = [t.value for t in terms]
     batch_size = _batch_size(terms[0].y_pred)

@@ -1,12 +1,12 @@
-"""Per-task losses on Keras' own ``CompileLoss``.
+"""Per-task losses on Keras' own `CompileLoss`.
 
-Keras' ``CompileLoss`` resolves every structure ``compile(loss=..., loss_weights=...)`` accepts
+Keras' `CompileLoss` resolves every structure `compile(loss=..., loss_weights=...)` accepts
 (nested outputs, dict keys that are not layer names, outputs that share a tensor, lists inside
-dicts) and keeps one unweighted ``{name}_loss`` tracker per output, but returns only the
+dicts) and keeps one unweighted `{name}_loss` tracker per output, but returns only the
 weighted sum, with the weights baked into the trace as Python floats.
-:class:`TaskLoss` keeps all of Keras' resolution and adds the two things the step of
-:class:`~keras_fastloop.OptimizedModel` needs: each task's unweighted loss on its own (with the
-``y_true``/``y_pred``/``sample_weight`` Keras picked for it), and trackers that record only
+`TaskLoss` keeps all of Keras' resolution and adds the two things the step of
+`OptimizedModel` needs: each task's unweighted loss on its own (with the
+`y_true`/`y_pred`/`sample_weight` Keras picked for it), and trackers that record only
 when the step says so (a skipped step leaves them untouched).
 """
 
@@ -26,11 +26,11 @@ class TaskTerm:
     """One task's loss in one call.
 
     Attributes:
-        name: the task's name (its log key is ``"{name}_loss"``).
+        name: the task's name (its log key is `"{name}_loss"`).
         value: float32 scalar, the unweighted loss (divided by the number of replicas under
-            ``tf.distribute``, as Keras' losses are).
+            `tf.distribute`, as Keras' losses are).
         y_true, y_pred, sample_weight: what Keras passed to the task's loss function.
-        loss_fn: the resolved ``keras.losses.Loss``.
+        loss_fn: the resolved `keras.losses.Loss`.
     """
 
     name: str
@@ -42,7 +42,7 @@ class TaskTerm:
 
 
 class _TaskLossTracker(keras.metrics.Mean):
-    """``Mean`` that ignores ``CompileLoss``' own per-call update; the step calls :meth:`record`."""
+    """`Mean` that ignores `CompileLoss`' own per-call update; the step calls `record`."""
 
     def update_state(self, values, sample_weight=None):
         del values, sample_weight
@@ -54,7 +54,7 @@ class _TaskLossTracker(keras.metrics.Mean):
 
 
 class _Recorder:
-    """Stands in for one entry's loss function inside ``CompileLoss.call``; remembers the call."""
+    """Stands in for one entry's loss function inside `CompileLoss.call`; remembers the call."""
 
     def __init__(self, owner, name, loss_fn):
         self.owner, self.name, self.loss_fn = owner, name, loss_fn
@@ -68,7 +68,7 @@ class _Recorder:
 
 
 def check_loss_weights(loss_weights):
-    """Every number in ``loss_weights`` (any structure) must be finite and non-negative.
+    """Every number in `loss_weights` (any structure) must be finite and non-negative.
 
     Raises:
         ValueError: otherwise, naming the argument as given.
@@ -91,7 +91,7 @@ def check_loss_weights(loss_weights):
 
 
 def check_loss_identifiers(loss):
-    """Fail at ``compile()``, not in the first step, for a loss name Keras does not know."""
+    """Fail at `compile()`, not in the first step, for a loss name Keras does not know."""
     for spec in tree.flatten(loss):
         if isinstance(spec, str) and spec.lower() not in ("crossentropy", "ce"):
             try:
@@ -105,7 +105,7 @@ def check_loss_identifiers(loss):
 
 
 def check_keys(argument, value, model):
-    """A dict ``loss``/``loss_weights`` of a functional model may only name its outputs.
+    """A dict `loss`/`loss_weights` of a functional model may only name its outputs.
 
     Accepted keys: the output names and, for dict outputs, the dict's keys.
 
@@ -126,11 +126,11 @@ def check_keys(argument, value, model):
 
 
 def check_counts(loss, loss_weights, model):
-    """A functional model's flat ``loss`` / ``loss_weights`` lists need one entry per output.
+    """A functional model's flat `loss` / `loss_weights` lists need one entry per output.
 
     Raises:
-        ValueError: for a list ``loss`` or ``loss_weights`` of the wrong length, or one float
-            ``loss_weights`` for several outputs (Keras would find out only in the first step).
+        ValueError: for a list `loss` or `loss_weights` of the wrong length, or one float
+            `loss_weights` for several outputs (Keras would find out only in the first step).
     """
     outputs = getattr(model, "_outputs_struct", None)
     if outputs is None:
@@ -160,11 +160,11 @@ def check_counts(loss, loss_weights, model):
 
 
 def task_layout(loss, loss_weights, model):
-    """``(names, static_weights)`` of a functional model's tasks, known before any data.
+    """`(names, static_weights)` of a functional model's tasks, known before any data.
 
-    Resolves ``loss``/``loss_weights`` with Keras' own ``CompileLoss`` on the model's symbolic
+    Resolves `loss`/`loss_weights` with Keras' own `CompileLoss` on the model's symbolic
     outputs (a scratch instance: loss functions that depend on the targets' shape are resolved
-    again, with real targets, by the model's :class:`TaskLoss`). ``None`` when the model's
+    again, with real targets, by the model's `TaskLoss`). `None` when the model's
     outputs are unknown (subclassed models before their first call) or there is no loss.
     """
     outputs = getattr(model, "_outputs_struct", None)
@@ -183,15 +183,15 @@ def _static_weight(entry):
 
 
 class TaskLoss(internals.CompileLoss):
-    """Keras' ``CompileLoss`` that returns each task's unweighted loss.
+    """Keras' `CompileLoss` that returns each task's unweighted loss.
 
     Args:
-        loss, loss_weights, output_names: as ``keras.Model.compile`` / ``CompileLoss``.
+        loss, loss_weights, output_names: as `keras.Model.compile` / `CompileLoss`.
 
     Attributes (after the first call, i.e. once the outputs are known):
-        names: the task names, in Keras' order (the order of ``{name}_loss`` logs).
-        static_weights: the float weight of every task from ``loss_weights`` (1.0 if unset).
-        trackers: the ``{name}_loss`` metrics (multi-task models only, as in Keras).
+        names: the task names, in Keras' order (the order of `{name}_loss` logs).
+        static_weights: the float weight of every task from `loss_weights` (1.0 if unset).
+        trackers: the `{name}_loss` metrics (multi-task models only, as in Keras).
     """
 
     def __init__(self, loss, loss_weights=None, output_names=None):
@@ -235,13 +235,13 @@ class TaskLoss(internals.CompileLoss):
         return self.metrics
 
     def evaluate(self, y_true, y_pred, sample_weight=None):
-        """Every task's :class:`TaskTerm` for one batch, in task order (no tracker update)."""
+        """Every task's `TaskTerm` for one batch, in task order (no tracker update)."""
         self._terms = []
         self(y_true, y_pred, sample_weight)
         terms, self._terms = self._terms, []
         return terms
 
     def record(self, values, batch_size):
-        """Update the ``{name}_loss`` trackers with unweighted per-replica task losses."""
+        """Update the `{name}_loss` trackers with unweighted per-replica task losses."""
         for tracker, value in zip(self.trackers, values):
             tracker.record(value, batch_size)

@@ -1,80 +1,80 @@
 """In-step micro-batching: one optimizer update per batch, one micro-batch's activations alive.
 
-``compile(micro_batch_size=k)`` makes :class:`~keras_fastloop.OptimizedModel`'s ``train_step``
-call :func:`accumulate` instead of taking one gradient of the whole batch. :func:`accumulate`
-splits the (per-replica) batch into micro-batches of ``k`` samples (the last one may be
-smaller), runs forward and backward on one micro-batch at a time inside a ``tf.while_loop``
-(``parallel_iterations=1``, so only one micro-batch's activations are alive) and sums the
+`compile(micro_batch_size=k)` makes `OptimizedModel`'s `train_step`
+call `accumulate` instead of taking one gradient of the whole batch. `accumulate`
+splits the (per-replica) batch into micro-batches of `k` samples (the last one may be
+smaller), runs forward and backward on one micro-batch at a time inside a `tf.while_loop`
+(`parallel_iterations=1`, so only one micro-batch's activations are alive) and sums the
 gradients in loop variables. The step then does everything else once: cross-replica sum,
-unscale, finite check, clipping and a single ``optimizer.apply``.
+unscale, finite check, clipping and a single `optimizer.apply`.
 
-**Batch smaller than ``micro_batch_size``.** Not an error: the batch runs as one micro-batch,
-which is exact but saves no memory. A ``UserWarning`` says so once per ``compile``: while the
+**Batch smaller than `micro_batch_size`.** Not an error: the batch runs as one micro-batch,
+which is exact but saves no memory. A `UserWarning` says so once per `compile`: while the
 step is traced when the batch size is static, else (batch dimension unknown while tracing) at
-the end of the first epoch in which no batch was larger than ``micro_batch_size``
-(:class:`BatchSizeMonitor`; a smaller *last* batch is routine and never warns).
+the end of the first epoch in which no batch was larger than `micro_batch_size`
+(`BatchSizeMonitor`; a smaller *last* batch is routine and never warns).
 
 **Weighting (why the sum equals the full batch).** A Keras loss with reduction
-``"sum_over_batch_size"`` or ``"mean_with_sample_weight"`` is a ratio ``L = N / D``: ``N`` sums
-the (sample-weighted, masked) loss elements, ``D`` counts elements (``sum_over_batch_size``
+`"sum_over_batch_size"` or `"mean_with_sample_weight"` is a ratio `L = N / D`: `N` sums
+the (sample-weighted, masked) loss elements, `D` counts elements (`sum_over_batch_size`
 without mask), unmasked elements (with a Keras mask on the prediction) or sums sample weights
-(``mean_with_sample_weight``). Both are sums over samples (:mod:`keras_fastloop._step.loss_shares`
-holds the rule, shared with the replicas), so for micro-batch ``m``::
+(`mean_with_sample_weight`). Both are sums over samples (`keras_fastloop._step.loss_shares`
+holds the rule, shared with the replicas), so for micro-batch `m`::
 
     L_full = N / D = sum_m (D_m / D) * (N_m / D_m) = sum_m share_m * L_m
 
-Every micro-batch's own Keras loss ``L_m`` is weighted by its share ``D_m / D`` of the *full*
-batch's denominator, never by ``1 / num_micro_batches`` (the mean of means that HF transformers
+Every micro-batch's own Keras loss `L_m` is weighted by its share `D_m / D` of the *full*
+batch's denominator, never by `1 / num_micro_batches` (the mean of means that HF transformers
 PR#34191 fixed). The shares are exact, per task:
 
-- ``"sum"``: share 1 (``N`` is not divided).
-- no Keras mask on the task's prediction: ``n_m / n`` (element counts grow with the number of
-  samples), or ``sum(sample_weight_m) / sum(sample_weight)`` for ``"mean_with_sample_weight"``
+- `"sum"`: share 1 (`N` is not divided).
+- no Keras mask on the task's prediction: `n_m / n` (element counts grow with the number of
+  samples), or `sum(sample_weight_m) / sum(sample_weight)` for `"mean_with_sample_weight"`
   with sample weights. Known from the data alone, no extra work.
-- a Keras mask on the prediction (``Embedding(mask_zero=True)``, ``Masking``): the denominator
+- a Keras mask on the prediction (`Embedding(mask_zero=True)`, `Masking`): the denominator
   depends on the mask, which only the forward pass produces. A first, inference-mode pass over
   the micro-batches (no tape, so no activations are kept) sums every masked task's denominator;
   the training pass then weights each micro-batch by its own count over that total. This is
   exact for any number of tasks, and costs one extra forward pass (about a third of a training
   pass) only for models with masked outputs. The count is taken by Keras' own reduction code
-  (a ``"sum"``-reduced probe loss on a tensor of ones), so mask and sample-weight broadcasting
+  (a `"sum"`-reduced probe loss on a tensor of ones), so mask and sample-weight broadcasting
   follow Keras exactly.
-- ``reduction=None``/``"none"``: rejected (the step needs a scalar loss).
+- `reduction=None`/`"none"`: rejected (the step needs a scalar loss).
 
-**Replicas.** Under ``tf.distribute`` the shares above are of the replica's own batch; each
-replica's loss is then weighted by its share ``R * D_r / D`` of the *global* denominator
-(:func:`keras_fastloop._step.loss_shares.sync_replicas`, one small all-reduce before the loop), so a
-micro-batch's weight is ``R * D_m / D`` and 1 and ``R`` replicas agree for any split of the
-global batch. A weighting that is not affine in the losses (FAMO) takes ``df/dL`` at each
+**Replicas.** Under `tf.distribute` the shares above are of the replica's own batch; each
+replica's loss is then weighted by its share `R * D_r / D` of the *global* denominator
+(`keras_fastloop._step.loss_shares.sync_replicas`, one small all-reduce before the loop), so a
+micro-batch's weight is `R * D_m / D` and 1 and `R` replicas agree for any split of the
+global batch. A weighting that is not affine in the losses (FAMO) takes `df/dL` at each
 replica's own losses here (the plain path uses the global ones): an approximation, like the
 micro-batches' own.
 
-Regularization losses (``model.losses``: activity regularizers, which Keras divides by the
-micro-batch's size, ``add_loss`` terms and weight regularizers) are weighted by ``n_m / n``, so
+Regularization losses (`model.losses`: activity regularizers, which Keras divides by the
+micro-batch's size, `add_loss` terms and weight regularizers) are weighted by `n_m / n`, so
 each counts once per full batch (a weight regularizer's shares sum to one).
 
-**Loss weighting.** The objective is ``f(L_1..L_T, theta)`` (``LossWeighting.combine``). Each
-micro-batch contributes ``sum_t (df/dL_t) * share_m * L_tm`` with ``df/dL_t`` held constant, and
-the weighting's own trainable variables ``theta`` (e.g. uncertainty weighting's log-variances)
-get their gradient once, after the loop, from ``f`` at the full-batch losses. This is exact for
-every weighting that is affine in the losses (static, ``ew``, ``uw``, ``dwa``, ``rlw``: weights
-read from variables); for one that is not (e.g. a log of the losses), ``df/dL`` is taken at each
+**Loss weighting.** The objective is `f(L_1..L_T, theta)` (`LossWeighting.combine`). Each
+micro-batch contributes `sum_t (df/dL_t) * share_m * L_tm` with `df/dL_t` held constant, and
+the weighting's own trainable variables `theta` (e.g. uncertainty weighting's log-variances)
+get their gradient once, after the loop, from `f` at the full-batch losses. This is exact for
+every weighting that is affine in the losses (static, `ew`, `uw`, `dwa`, `rlw`: weights
+read from variables); for one that is not (e.g. a log of the losses), `df/dL` is taken at each
 micro-batch's own losses, an approximation. Gradient-based weighting methods are rejected in
-``compile()``.
+`compile()`.
 
 **Metrics.** Compiled metrics are updated once per micro-batch with that micro-batch's data
 (their sums and counts add up to the full batch's); the loss trackers once with the full-batch
 values. Epoch means are the same as without micro-batching.
 
-Accumulators are dense: an ``Embedding``'s ``IndexedSlices`` gradient is summed into a dense
+Accumulators are dense: an `Embedding`'s `IndexedSlices` gradient is summed into a dense
 tensor. SGD (with or without momentum) gives the same update either way; Keras' Adam does not:
-on ``IndexedSlices`` with repeated indices it squares each slice before summing them into its
-second moment, so ``keras.Model`` with Adam and an embedding takes a (slightly) different step
+on `IndexedSlices` with repeated indices it squares each slice before summing them into its
+second moment, so `keras.Model` with Adam and an embedding takes a (slightly) different step
 from the true full-batch gradient that micro-batching applies.
 
 Not equivalent by construction: layers whose output depends on the other samples of the batch
-(``BatchNormalization`` in training mode sees micro-batch statistics) and random layers
-(``Dropout`` draws different masks). Sparse or ragged inputs are not supported.
+(`BatchNormalization` in training mode sees micro-batch statistics) and random layers
+(`Dropout` draws different masks). Sparse or ragged inputs are not supported.
 """
 
 from __future__ import annotations
@@ -94,16 +94,16 @@ from keras_fastloop._warnings import FastloopWarning
 
 
 def validate_micro_batch_size(micro_batch_size):
-    """Check ``compile(micro_batch_size=...)``.
+    """Check `compile(micro_batch_size=...)`.
 
     Args:
-        micro_batch_size: ``None`` or a positive Python int (``bool`` is rejected).
+        micro_batch_size: `None` or a positive Python int (`bool` is rejected).
 
     Returns:
-        ``micro_batch_size`` unchanged.
+        `micro_batch_size` unchanged.
 
     Raises:
-        ValueError: for anything else (``0``, negatives, floats, booleans, strings).
+        ValueError: for anything else (`0`, negatives, floats, booleans, strings).
 
     Example:
         >>> validate_micro_batch_size(4)
@@ -124,7 +124,7 @@ def validate_micro_batch_size(micro_batch_size):
 
 
 def _warn_small_batch(model, samples):
-    """Warn once per model that a batch held fewer samples than ``micro_batch_size``."""
+    """Warn once per model that a batch held fewer samples than `micro_batch_size`."""
     if model.__dict__.get("_fastloop_warned_small_batch"):
         return
     object.__setattr__(model, "_fastloop_warned_small_batch", True)
@@ -141,8 +141,8 @@ def _warn_small_batch(model, samples):
 def largest_batch_variable():
     """Untracked (never saved) float32 variable: the largest per-replica batch trained so far.
 
-    Created by ``compile(micro_batch_size=...)`` under the caller's scope; read at epoch ends
-    by :class:`BatchSizeMonitor`.
+    Created by `compile(micro_batch_size=...)` under the caller's scope; read at epoch ends
+    by `BatchSizeMonitor`.
     """
     return keras.Variable(
         0.0,
@@ -154,8 +154,8 @@ def largest_batch_variable():
 
 
 class BatchSizeMonitor(keras.callbacks.Callback):
-    """Internal callback of ``fit`` with ``micro_batch_size``: warns once when no batch was
-    larger than ``micro_batch_size`` (checked at epoch ends, so a smaller last batch, which is
+    """Internal callback of `fit` with `micro_batch_size`: warns once when no batch was
+    larger than `micro_batch_size` (checked at epoch ends, so a smaller last batch, which is
     routine, never warns, and batch callbacks stay asynchronous)."""
 
     def on_epoch_end(self, epoch, logs=None):
@@ -169,7 +169,7 @@ class BatchSizeMonitor(keras.callbacks.Callback):
 
 
 def _with_batch_size_monitor(model, callbacks):
-    """``fit`` extension: adds :class:`BatchSizeMonitor` when ``micro_batch_size`` is set."""
+    """`fit` extension: adds `BatchSizeMonitor` when `micro_batch_size` is set."""
     if not getattr(model, "_micro_batch_size", None):
         return callbacks
     monitor = BatchSizeMonitor()
@@ -199,9 +199,9 @@ def _first_tensor(structure):
 
 
 def _slice(structure, start, size):
-    """Rows ``[start, start + size)`` of every tensor in ``structure`` (``None`` passes through).
+    """Rows `[start, start + size)` of every tensor in `structure` (`None` passes through).
 
-    ``tf.slice`` with a constant ``size`` keeps the micro-batch's shape static inside the loop
+    `tf.slice` with a constant `size` keeps the micro-batch's shape static inside the loop
     (XLA compiles it as a dynamic slice).
     """
 
@@ -225,7 +225,7 @@ def _call(model, x, training):
 
 
 def _spec(structure):
-    """``tf.TensorSpec`` of every tensor in ``structure``, batch dimension unknown."""
+    """`tf.TensorSpec` of every tensor in `structure`, batch dimension unknown."""
     if structure is None:
         return None
     return tf.nest.map_structure(
@@ -240,7 +240,7 @@ def _detect_masks(model, x, y, sample_weight):
     tasks and the weighting were built by Keras' symbolic build before training).
 
     Returns:
-        ``(masked, reductions)``: per task, whether its prediction carries a mask, and its
+        `(masked, reductions)`: per task, whether its prediction carries a mask, and its
         loss' reduction.
     """
     found = {}
@@ -259,11 +259,11 @@ def _detect_masks(model, x, y, sample_weight):
 
 
 def _for_each_micro_batch(n, k, body, carry):
-    """Run ``body(start, size, carry) -> carry`` over ``[0, n)`` in steps of ``k``.
+    """Run `body(start, size, carry) -> carry` over `[0, n)` in steps of `k`.
 
-    Full micro-batches (static size ``k``) run in a ``tf.while_loop`` with
-    ``parallel_iterations=1``; the ragged remainder (``n % k`` samples, possibly none) runs once
-    after it under ``tf.cond``.
+    Full micro-batches (static size `k`) run in a `tf.while_loop` with
+    `parallel_iterations=1`; the ragged remainder (`n % k` samples, possibly none) runs once
+    after it under `tf.cond`.
     """
     full = n // k
 
@@ -318,7 +318,7 @@ def _masked_denominators(model, x, y, sample_weight, n, k, masked):
 
 
 def _loss_coefficients(weighting, losses):
-    """``d combine / d L_t`` at ``losses`` (the loss weights, for an affine weighting)."""
+    """`d combine / d L_t` at `losses` (the loss weights, for an affine weighting)."""
     stacked = ops.stop_gradient(ops.stack(losses))
     with tf.GradientTape() as tape:
         tape.watch(stacked)
@@ -344,7 +344,7 @@ def _task_sample_weights(model, sample_weight):
 
 
 def _metrics_snapshot(model):
-    """``(update, undo)`` of the compiled metrics: ``undo`` restores their values from now."""
+    """`(update, undo)` of the compiled metrics: `undo` restores their values from now."""
     compile_metrics = model._compile_metrics
     if compile_metrics is None:
         return (lambda *args: None), None
@@ -359,7 +359,7 @@ def _metrics_snapshot(model):
 
 
 def _total(reduction, masked, mask_total, weight_total, n):
-    """The (per-replica) batch's denominator ``D`` of one task, ``None`` for ``"sum"``."""
+    """The (per-replica) batch's denominator `D` of one task, `None` for `"sum"`."""
     if reduction == "sum":
         return None
     if masked:
@@ -370,7 +370,7 @@ def _total(reduction, masked, mask_total, weight_total, n):
 
 
 def _share(term, probe, total, size):
-    """Micro-batch ``m``'s share ``D_m / D`` of the batch's loss denominator (see above)."""
+    """Micro-batch `m`'s share `D_m / D` of the batch's loss denominator (see above)."""
     _reduction(term)
     if total is None:
         return tf.constant(1.0)
@@ -380,31 +380,31 @@ def _share(term, probe, total, size):
 def accumulate(model, x, y, sample_weight, variables, micro_batch_size):
     """Loss-scaled gradient of the full batch's objective, one micro-batch at a time.
 
-    Called by the trainer's ``train_step`` (per replica under ``tf.distribute``) when
-    ``compile(micro_batch_size=k)`` is set. See the module docstring for the weighting.
+    Called by the trainer's `train_step` (per replica under `tf.distribute`) when
+    `compile(micro_batch_size=k)` is set. See the module docstring for the weighting.
 
     Args:
-        model: the compiled model (:class:`~keras_fastloop.OptimizedModel` or
-            :class:`~keras_fastloop.OptimizedSequential`).
-        x: inputs, a tensor or a nest of tensors with the batch (``n`` samples, may be unknown
+        model: the compiled model (`OptimizedModel` or
+            `OptimizedSequential`).
+        x: inputs, a tensor or a nest of tensors with the batch (`n` samples, may be unknown
             while tracing) on axis 0.
         y: targets, same batch layout (a tensor, list or dict per output).
-        sample_weight: ``None``, or one tensor / a list or dict per output, shape ``(n,)`` or
+        sample_weight: `None`, or one tensor / a list or dict per output, shape `(n,)` or
             broadcastable to each loss's elements (class weights arrive here).
-        variables: the variables to differentiate (``model.trainable_variables``).
-        micro_batch_size: ``k``, a positive int; the last micro-batch holds ``n % k`` samples
-            when ``k`` does not divide ``n``.
+        variables: the variables to differentiate (`model.trainable_variables`).
+        micro_batch_size: `k`, a positive int; the last micro-batch holds `n % k` samples
+            when `k` does not divide `n`.
 
     Returns:
-        A :class:`~keras_fastloop._step.results.StepResult`: the gradient of
-        ``optimizer.scale_loss(objective)`` for the whole batch (before the cross-replica sum,
-        unscaling and clipping, which the step does once; ``None`` for variables no micro-batch
+        A `StepResult`: the gradient of
+        `optimizer.scale_loss(objective)` for the whole batch (before the cross-replica sum,
+        unscaling and clipping, which the step does once; `None` for variables no micro-batch
         reaches), the full-batch losses and weights. The compiled metrics were updated once per
-        micro-batch (their sums and counts add up to the full batch's); ``undo_metrics``
+        micro-batch (their sums and counts add up to the full batch's); `undo_metrics`
         restores them if the step is skipped.
 
     Raises:
-        ValueError: a loss with ``reduction=None``/``"none"``.
+        ValueError: a loss with `reduction=None`/`"none"`.
         RuntimeError: a prediction whose Keras mask appears only in training mode.
 
     Example:

@@ -1,7 +1,7 @@
 """The one internal contract of the training step, and the step's own metrics.
 
-Both ways of computing a batch's gradient (one pass, :meth:`OptimizedTrainer._full_batch`, or
-micro-batches, :func:`keras_fastloop._step.micro_batching.accumulate`) return a :class:`StepResult`;
+Both ways of computing a batch's gradient (one pass, `OptimizedTrainer._full_batch`, or
+micro-batches, `keras_fastloop._step.micro_batching.accumulate`) return a `StepResult`;
 only the trainer turns it into metric updates and logs.
 """
 
@@ -21,22 +21,22 @@ class StepResult:
     """What one (per-replica) batch contributes to the step.
 
     Attributes:
-        grads: loss-scaled gradients, one per trainable variable; ``None`` where the variable
+        grads: loss-scaled gradients, one per trainable variable; `None` where the variable
             gets no gradient (it is then left out of the update, as Keras does).
         loss: float32 scalar, the logged loss (task losses weighted by the static
-            ``loss_weights``, plus regularization), per replica (``1 / num_replicas`` scaled).
-        task_losses: the unweighted per-task losses (``None`` when an overridden
-            ``compute_loss`` did not call the default one).
-        weights: float32 ``(T,)`` weights the weighting method used, or ``None``.
-        objective: the weighting method's own objective (what was differentiated), or ``None``.
+            `loss_weights`, plus regularization), per replica (`1 / num_replicas` scaled).
+        task_losses: the unweighted per-task losses (`None` when an overridden
+            `compute_loss` did not call the default one).
+        weights: float32 `(T,)` weights the weighting method used, or `None`.
+        objective: the weighting method's own objective (what was differentiated), or `None`.
         batch_size: int32 scalar, samples in the *global* batch (the trackers' sample weight:
             the replicas' tracker updates then add up to the 1-replica epoch mean).
         update_metrics: records the compiled metrics for this batch (called only when the
             update is applied).
         undo_metrics: restores the compiled metrics when they were already updated (micro-batches)
-            and the update is skipped; ``None`` when nothing needs undoing.
-        global_losses: ``[loss, *task_losses]`` of the global batch when already all-reduced
-            (the plain path under ``tf.distribute``, keras_fastloop._step.loss_shares); ``None``: the
+            and the update is skipped; `None` when nothing needs undoing.
+        global_losses: `[loss, *task_losses]` of the global batch when already all-reduced
+            (the plain path under `tf.distribute`, keras_fastloop._step.loss_shares); `None`: the
             step sums the per-replica values itself.
     """
 
@@ -54,7 +54,7 @@ class StepResult:
 class LastValue(keras.metrics.Metric):
     """A metric that reports the last value given (identical on every replica).
 
-    Its variable is aggregated with ``"only_first_replica"``: the step assigns the same value on
+    Its variable is aggregated with `"only_first_replica"`: the step assigns the same value on
     every replica (it comes from the all-reduced gradient or the replicated step state).
     """
 
@@ -72,11 +72,11 @@ class LastValue(keras.metrics.Metric):
 
 
 class StepMetrics:
-    """The step's optional metrics (training only; never part of ``evaluate``'s logs).
+    """The step's optional metrics (training only; never part of `evaluate`'s logs).
 
     A plain container, not a Keras object, so Keras' tracking and saving do not adopt the
     metrics: they are reset and synchronised like Keras' own because the model lists them in
-    ``model.metrics`` while training.
+    `model.metrics` while training.
     """
 
     def __init__(self, names):
@@ -89,7 +89,7 @@ class StepMetrics:
         self.weights = []
 
     def add_weighting(self, task_names, objective=True):
-        """With ``loss_weighting``: every ``{task}_weight`` and the method's ``objective``."""
+        """With `loss_weighting`: every `{task}_weight` and the method's `objective`."""
         self.objective = keras.metrics.Mean(name="objective") if objective else None
         self.weights = [LastValue(f"{name}_weight") for name in task_names]
 

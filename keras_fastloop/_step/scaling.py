@@ -1,10 +1,10 @@
-"""Thin glue around Keras' loss scaling (``keras.optimizers.LossScaleOptimizer``).
+"""Thin glue around Keras' loss scaling (`keras.optimizers.LossScaleOptimizer`).
 
 Keras owns the loss scale and its dynamic update; nothing here keeps a second scale. The step
-multiplies the loss by the optimizer's scale inside the tape (``optimizer.scale_loss``), divides
+multiplies the loss by the optimizer's scale inside the tape (`optimizer.scale_loss`), divides
 the gradients by it before the finite check and clipping, and multiplies the clipped gradients
-by it again just before ``optimizer.apply``, which divides once more and runs Keras' own
-finite check and dynamic-scale update. Keras' dynamic scale is a power of two (``initial_scale``
+by it again just before `optimizer.apply`, which divides once more and runs Keras' own
+finite check and dynamic-scale update. Keras' dynamic scale is a power of two (`initial_scale`
 defaults to 2**15 and only ever doubles or halves), so the extra multiply and divide are exact.
 """
 
@@ -19,10 +19,10 @@ def is_loss_scale_optimizer(optimizer) -> bool:
 
 
 def current_scale(optimizer):
-    """The factor ``optimizer.scale_loss`` multiplies by, or ``None`` when it does not scale.
+    """The factor `optimizer.scale_loss` multiplies by, or `None` when it does not scale.
 
-    ``LossScaleOptimizer`` -> its ``dynamic_scale`` variable; a plain optimizer built with
-    ``loss_scale_factor`` -> that constant; otherwise ``None``.
+    `LossScaleOptimizer` -> its `dynamic_scale` variable; a plain optimizer built with
+    `loss_scale_factor` -> that constant; otherwise `None`.
     """
     if is_loss_scale_optimizer(optimizer):
         return optimizer.dynamic_scale if optimizer.built else optimizer.initial_scale
@@ -30,7 +30,7 @@ def current_scale(optimizer):
 
 
 def unscale(grads, scale):
-    """Divide gradients by the loss scale (no-op when ``scale`` is ``None``)."""
+    """Divide gradients by the loss scale (no-op when `scale` is `None`)."""
     if scale is None:
         return list(grads)
     return [g / ops.cast(scale, g.dtype) for g in grads]

@@ -1,8 +1,8 @@
 """The step's own state: a Keras layer that holds counters and the features' variables.
 
 It is attached to the model as an attribute that Keras' layer tracking does not see, so its
-variables are not among ``model.weights`` (``set_weights`` from a plain ``keras.Model`` keeps
-working), yet ``model.save``, ``save_weights`` and ``BackupAndRestore`` store and restore it,
+variables are not among `model.weights` (`set_weights` from a plain `keras.Model` keeps
+working), yet `model.save`, `save_weights` and `BackupAndRestore` store and restore it,
 because Keras' saving walks the model's attributes.
 """
 
@@ -12,9 +12,9 @@ import keras
 
 
 class StepState(keras.layers.Layer):
-    """Non-trainable variables of OptimizedModel's step (``skipped_steps`` and the features').
+    """Non-trainable variables of OptimizedModel's step (`skipped_steps` and the features').
 
-    Variables use ``aggregation="only_first_replica"``: every replica computes the same value
+    Variables use `aggregation="only_first_replica"`: every replica computes the same value
     (decisions are taken on the all-reduced gradient), so the first replica's value is kept.
     """
 

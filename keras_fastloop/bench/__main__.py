@@ -1,4 +1,4 @@
-"""``python -m keras_fastloop.bench`` == ``keras-fastloop bench``."""
+"""`python -m keras_fastloop.bench` == `keras-fastloop bench`."""
 
 import sys
 

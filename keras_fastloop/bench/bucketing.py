@@ -1,19 +1,19 @@
-"""``keras-fastloop bench --suite bucketing``: padding strategies on real variable-length data.
+"""`keras-fastloop bench --suite bucketing`: padding strategies on real variable-length data.
 
 Data: the functions and methods of the Python standard library's own source
-(:func:`keras_fastloop.datasets.load_stdlib_code`: real code, 6 package labels, lengths 10-508 tokens),
-no download. Model: token embedding (``mask_zero=True``) -> two per-token ``Dense(128)`` layers ->
+(`keras_fastloop.datasets.load_stdlib_code`: real code, 6 package labels, lengths 10-508 tokens),
+no download. Model: token embedding (`mask_zero=True`) -> two per-token `Dense(128)` layers ->
 masked global average pooling -> softmax over the packages. The mask makes the model's output
 independent of padding, so all three pipelines train the same mathematics and differ only in
 wasted compute:
 
-(a) pad every batch to the longest sequence of the data set; (b) ``padded_batch``: pad each
-batch to its own longest sequence; (c) :func:`keras_fastloop.data.bucket_by_length`: batches of
+(a) pad every batch to the longest sequence of the data set; (b) `padded_batch`: pad each
+batch to its own longest sequence; (c) `keras_fastloop.data.bucket_by_length`: batches of
 similar lengths padded to bucket boundaries (geometric, ratio 1.2: see
-:func:`keras_fastloop.data.geometric_boundaries`).
+`keras_fastloop.data.geometric_boundaries`).
 
 Reported per pipeline: share of padded tokens, distinct batch shapes (each one is a separate XLA
-compilation with ``jit_compile=True``), throughput in real tokens and samples per second (first
+compilation with `jit_compile=True`), throughput in real tokens and samples per second (first
 epoch excluded), wall time to a target training loss, validation accuracy.
 """
 
@@ -107,17 +107,17 @@ def run(
     epochs: int | None = None,
     progress=print,
 ) -> dict:
-    """Run the bucketing suite; write ``bucketing.md`` and ``bucketing.json`` under ``out_dir``.
+    """Run the bucketing suite; write `bucketing.md` and `bucketing.json` under `out_dir`.
 
     Args:
         out_dir: folder for the report (created if missing).
         quick: 400 sequences, 2 epochs, 1 round (tests).
-        rounds: alternating rounds. Default 2 (1 when ``quick``).
-        epochs: epochs per run. Default 4 (2 when ``quick``).
-        progress: callable receiving progress lines. Default ``print``.
+        rounds: alternating rounds. Default 2 (1 when `quick`).
+        epochs: epochs per run. Default 4 (2 when `quick`).
+        progress: callable receiving progress lines. Default `print`.
 
     Returns:
-        JSON-able dict with ``rows`` (per pipeline), ``padding`` statistics and ``markdown``.
+        JSON-able dict with `rows` (per pipeline), `padding` statistics and `markdown`.
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -1,10 +1,10 @@
-"""The main job: plain ``fit`` vs the seed's hand-written loops vs OptimizedModel, on real data.
+"""The main job: plain `fit` vs the seed's hand-written loops vs OptimizedModel, on real data.
 
 Every contender trains the same small CNN from identical initial weights on scikit-learn's
 digits (1,797 real images, upsampled to 16x16; a stratified 20% held out for validation), with
 the same optimizer (Adam, 1e-3), batch size (64), data order and number of epochs, validating on
 the held-out split after every epoch. Contenders run in alternation, several rounds, and the
-report gives medians and ratios against plain ``keras.Model.fit``.
+report gives medians and ratios against plain `keras.Model.fit`.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ class Data:
 
 
 def fit_contender(data, model_cls=keras.Model, compile_kwargs=None, callbacks=(), validate=True):
-    """A contender that trains with ``model.fit`` (plain Keras or OptimizedModel)."""
+    """A contender that trains with `model.fit` (plain Keras or OptimizedModel)."""
 
     def train(run):
         model = build_cnn(model_cls)
@@ -95,7 +95,7 @@ def fit_contender(data, model_cls=keras.Model, compile_kwargs=None, callbacks=()
 
 
 def loop_contender(data, compiled):
-    """The seed's hand-written GradientTape loop, eager or wrapped in ``tf.function``."""
+    """The seed's hand-written GradientTape loop, eager or wrapped in `tf.function`."""
 
     def train(run):
         model = build_cnn(keras.Model)
@@ -142,7 +142,7 @@ def loop_contender(data, compiled):
 
 def confirm_recommended_policy(data, steps=10):
     """Times the recommended mixed policy against float32 on this CNN once (a user does it once
-    per machine and model); restores float32 globally. Returns ``(PolicyChoice, seconds)``."""
+    per machine and model); restores float32 globally. Returns `(PolicyChoice, seconds)`."""
 
     def model_fn():
         model = build_cnn()
@@ -160,8 +160,8 @@ def confirm_recommended_policy(data, steps=10):
 
 
 def recommended_contender(data, policy=None):
-    """OptimizedModel with ``tuning.recommended_setup``: the policy (confirmed by timing before
-    the rounds, else the hardware rule), ``steps_per_execution="auto"``, ``optimize_pipeline``."""
+    """OptimizedModel with `tuning.recommended_setup`: the policy (confirmed by timing before
+    the rounds, else the hardware rule), `steps_per_execution="auto"`, `optimize_pipeline`."""
 
     def train(run):
         chosen = policy or mixed_precision.recommended_policy()
@@ -218,20 +218,20 @@ def run(
     target_loss: float | None = None,
     progress=print,
 ) -> dict:
-    """Run the default suite; write ``default.md``, ``default.json``, ``default.png``.
+    """Run the default suite; write `default.md`, `default.json`, `default.png`.
 
     Args:
         out_dir: folder for the report files (created if missing).
         quick: tiny sizes (256 training images, 2 epochs, 1 round) for tests.
-        rounds: rounds of alternation. Default 3 (1 when ``quick``).
-        epochs: epochs per run. Default 12 (2 when ``quick``).
+        rounds: rounds of alternation. Default 3 (1 when `quick`).
+        epochs: epochs per run. Default 12 (2 when `quick`).
         target_loss: training loss for "time to target". Default 0.05, reached after most
             of the epochs, so the ratio reflects the whole run (quick: the baseline's final
             loss).
-        progress: callable that receives progress lines. Default ``print``.
+        progress: callable that receives progress lines. Default `print`.
 
     Returns:
-        A JSON-able dict: ``machine``, ``config``, ``rows`` (one per contender) and ``markdown``.
+        A JSON-able dict: `machine`, `config`, `rows` (one per contender) and `markdown`.
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -289,7 +289,7 @@ def run(
 
 
 def _flops_section(rows, choice, choice_seconds):
-    """Adds achieved FLOP/s and % of peak to ``rows``; returns a markdown section."""
+    """Adds achieved FLOP/s and % of peak to `rows`; returns a markdown section."""
     train_flops = flops.count_flops(build_cnn()).training
     peak = flops.machine_peak()
     lines = [

@@ -1,18 +1,18 @@
-"""Benchmark: OptimizedModel vs ``keras.Model.fit`` under a 2-replica MirroredStrategy.
+"""Benchmark: OptimizedModel vs `keras.Model.fit` under a 2-replica MirroredStrategy.
 
 Two measurements, in a fresh Python process that configures two logical CPU devices before
-TensorFlow initialises its devices (``tf.config.set_logical_device_configuration`` must run
+TensorFlow initialises its devices (`tf.config.set_logical_device_configuration` must run
 first; in an already-initialised process it fails, hence the subprocess):
 
-1. **Step time.** The same model and data, ``keras.Model`` (plain ``fit``) and
-   ``OptimizedModel`` with ``gradient_clipping`` on, under one ``MirroredStrategy`` over the two
+1. **Step time.** The same model and data, `keras.Model` (plain `fit`) and
+   `OptimizedModel` with `gradient_clipping` on, under one `MirroredStrategy` over the two
    devices. Rounds alternate between the two contenders; the first round (tracing) is
-   discarded; the time of a step is the gap between consecutive ``on_train_batch_end`` calls,
+   discarded; the time of a step is the gap between consecutive `on_train_batch_end` calls,
    the first batch of every round excluded. Reported: median step time of each and their ratio
-   (target: OptimizedModel at most 1.15x plain ``fit``).
+   (target: OptimizedModel at most 1.15x plain `fit`).
 2. **Clip norm of the applied update (case C10).** SGD with learning rate 1, clip threshold 1.0,
    one step on a batch whose gradient norm is far above the threshold: the norm of the weight
-   change is the norm of the gradient that was applied. Keras' ``global_clipnorm`` clips each
+   change is the norm of the gradient that was applied. Keras' `global_clipnorm` clips each
    replica's share before the sum (the update exceeds 1.0); OptimizedModel clips the sum.
 """
 
@@ -138,18 +138,18 @@ def run(out_dir: pathlib.Path, quick: bool = False) -> dict:
     cannot be done in a process whose TensorFlow devices are already initialised).
 
     Args:
-        out_dir: folder (``pathlib.Path``) where ``distributed.md`` and ``distributed.json``
+        out_dir: folder (`pathlib.Path`) where `distributed.md` and `distributed.json`
             are written; created if missing.
-        quick: bool, default ``False``. ``True``: small model, 4 rounds of 10 steps (well under
-            40 s on two CPU cores); ``False``: 8 rounds of 30 steps with a wider model.
+        quick: bool, default `False`. `True`: small model, 4 rounds of 10 steps (well under
+            40 s on two CPU cores); `False`: 8 rounds of 30 steps with a wider model.
 
     Returns:
-        A dict with ``"step_time_s"`` (median seconds per step, ``"keras"`` and ``"ours"``),
-        ``"ratio"`` (ours / keras), ``"target_met"`` (ratio at most 1.15),
-        ``"applied_update_norm"`` (norm of the applied update for Keras' ``global_clipnorm`` on
-        1 and 2 replicas and for OptimizedModel's ``gradient_clipping`` on 2 replicas),
-        ``"clip_obeyed"`` (per contender: norm at most threshold + 1e-4), the configuration,
-        and ``"markdown"`` (the report).
+        A dict with `"step_time_s"` (median seconds per step, `"keras"` and `"ours"`),
+        `"ratio"` (ours / keras), `"target_met"` (ratio at most 1.15),
+        `"applied_update_norm"` (norm of the applied update for Keras' `global_clipnorm` on
+        1 and 2 replicas and for OptimizedModel's `gradient_clipping` on 2 replicas),
+        `"clip_obeyed"` (per contender: norm at most threshold + 1e-4), the configuration,
+        and `"markdown"` (the report).
 
     Raises:
         RuntimeError: if the measuring subprocess fails.

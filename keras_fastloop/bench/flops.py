@@ -2,44 +2,44 @@
 
 **Counting convention.** One multiply-accumulate (MAC) is 2 FLOPs. Per sample, forward pass:
 
-- ``Dense``: ``2 * d_in * units`` per position (all non-batch, non-feature axes), plus
-  ``units`` per position for the bias.
-- ``Conv1D/2D/3D``: ``2 * prod(kernel_size) * c_in / groups * filters`` per output position,
-  plus ``filters`` per position for the bias. ``DepthwiseConv2D``: ``2 * prod(kernel_size) *
-  c_in * depth_multiplier`` per position (+ bias); ``SeparableConv2D``: depthwise + pointwise
-  (``2 * c_in * depth_multiplier * filters``) (+ bias). ``Conv*Transpose``: ``2 *
-  prod(kernel_size) * c_in * filters`` per *input* position (+ bias per output element).
-- A fused activation (``activation=`` other than linear): 1 per output element; a standalone
-  ``Activation``/``ReLU``/``LeakyReLU``/``ELU``: 1 per element; ``Softmax`` (layer or fused):
+- `Dense`: `2 * d_in * units` per position (all non-batch, non-feature axes), plus
+  `units` per position for the bias.
+- `Conv1D/2D/3D`: `2 * prod(kernel_size) * c_in / groups * filters` per output position,
+  plus `filters` per position for the bias. `DepthwiseConv2D`: `2 * prod(kernel_size) *
+  c_in * depth_multiplier` per position (+ bias); `SeparableConv2D`: depthwise + pointwise
+  (`2 * c_in * depth_multiplier * filters`) (+ bias). `Conv*Transpose`: `2 *
+  prod(kernel_size) * c_in * filters` per *input* position (+ bias per output element).
+- A fused activation (`activation=` other than linear): 1 per output element; a standalone
+  `Activation`/`ReLU`/`LeakyReLU`/`ELU`: 1 per element; `Softmax` (layer or fused):
   3 per element (exp, sum, divide).
-- ``MaxPooling``/``AveragePooling``: ``prod(pool_size)`` per output element;
-  ``GlobalMax/AveragePooling``: 1 per input element.
-- ``BatchNormalization``/``LayerNormalization``: 2 per element (scale and shift once the
+- `MaxPooling`/`AveragePooling`: `prod(pool_size)` per output element;
+  `GlobalMax/AveragePooling`: 1 per input element.
+- `BatchNormalization`/`LayerNormalization`: 2 per element (scale and shift once the
   statistics are folded; the statistics themselves are ignored).
-- ``Add``/``Subtract``/``Multiply``/``Average``/``Maximum``/``Minimum``: ``n_inputs - 1`` per
-  output element. ``Rescaling``: 2 per element.
-- Shape-only layers (``Input``, ``Flatten``, ``Reshape``, ``Dropout``, ``ZeroPadding``,
-  ``Concatenate``, ...): 0. Other layers are listed in ``FlopCount.unknown`` and count 0.
+- `Add`/`Subtract`/`Multiply`/`Average`/`Maximum`/`Minimum`: `n_inputs - 1` per
+  output element. `Rescaling`: 2 per element.
+- Shape-only layers (`Input`, `Flatten`, `Reshape`, `Dropout`, `ZeroPadding`,
+  `Concatenate`, ...): 0. Other layers are listed in `FlopCount.unknown` and count 0.
 
 **Training ≈ 3 × forward**: the backward pass costs about twice the forward (the gradient with
 respect to the activations and with respect to the weights are each one product of the forward's
 size); Kaplan et al., "Scaling Laws for Neural Language Models" (2020), C ≈ 6N per token = 2N
 forward + 4N backward. Optimizer updates (O(parameters)) are not counted.
 
-:func:`profiler_flops` counts the same forward pass with TensorFlow's profiler
-(``tf.compat.v1.profiler`` with ``ProfileOptionBuilder.float_operation()`` on the graph of a
+`profiler_flops` counts the same forward pass with TensorFlow's profiler
+(`tf.compat.v1.profiler` with `ProfileOptionBuilder.float_operation()` on the graph of a
 concrete function); it counts only ops with registered FLOP statistics (MatMul, Conv2D, BiasAdd,
 element-wise math, ...), so it serves as a cross-check.
 
-**Peak FLOP/s.** CPU: ``cores × frequency × FLOPs/cycle/core``; fp32 FLOPs per cycle from the
+**Peak FLOP/s.** CPU: `cores × frequency × FLOPs/cycle/core`; fp32 FLOPs per cycle from the
 vector width with two FMA units (AVX-512: 2 units × 16 lanes × 2 = 64; AVX2+FMA: 2 × 8 × 2 = 32;
-AVX without FMA: 16; SSE: 8). The bf16 peak is given separately: AMX (``amx_bf16``): 1,024
-bf16 FLOP/cycle/core (Intel's figure for Sapphire Rapids TMUL); AVX512_BF16 (``vdpbf16ps``,
-2 units): 128. ``cores`` is the CPUs this process may run on (``os.sched_getaffinity``; these are
+AVX without FMA: 16; SSE: 8). The bf16 peak is given separately: AMX (`amx_bf16`): 1,024
+bf16 FLOP/cycle/core (Intel's figure for Sapphire Rapids TMUL); AVX512_BF16 (`vdpbf16ps`,
+2 units): 128. `cores` is the CPUs this process may run on (`os.sched_getaffinity`; these are
 logical CPUs: with hyper-threading two share one core's FMA units, so the peak is an upper
-bound); the frequency is ``cpuinfo_max_freq`` from ``/sys`` when present, else ``cpu MHz`` from
-``/proc/cpuinfo`` (the current, possibly throttled or turbo clock). GPU: datasheet values by
-device name (:data:`GPU_PEAK_TFLOPS`, dense, no sparsity).
+bound); the frequency is `cpuinfo_max_freq` from `/sys` when present, else `cpu MHz` from
+`/proc/cpuinfo` (the current, possibly throttled or turbo clock). GPU: datasheet values by
+device name (`GPU_PEAK_TFLOPS`, dense, no sparsity).
 """
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ class FlopCount:
 
     @property
     def training(self) -> float:
-        """Training FLOPs per sample: ``TRAINING_FLOPS_FACTOR`` (3) × forward."""
+        """Training FLOPs per sample: `TRAINING_FLOPS_FACTOR` (3) × forward."""
         return TRAINING_FLOPS_FACTOR * self.forward
 
 
@@ -156,7 +156,7 @@ def _activation_flops(layer, out_elements):
 
 
 def _layer_flops(layer, in_shapes, out_shape):
-    """Forward FLOPs per sample of one call of ``layer``; ``None`` for an unknown layer."""
+    """Forward FLOPs per sample of one call of `layer`; `None` for an unknown layer."""
     kind = type(layer).__name__
     out_elements = _per_sample(out_shape)
     in_shape = in_shapes[0]
@@ -237,15 +237,15 @@ def count_flops(model, prefix="") -> FlopCount:
     so the model must be built with known input shapes (batch axis excluded).
 
     Args:
-        model: a built functional or ``Sequential`` ``keras.Model``.
-        prefix: string prepended to layer names in ``by_layer`` (used for nested models).
-            Defaults to ``""``.
+        model: a built functional or `Sequential` `keras.Model`.
+        prefix: string prepended to layer names in `by_layer` (used for nested models).
+            Defaults to `""`.
 
     Returns:
-        A :class:`FlopCount`.
+        A `FlopCount`.
 
     Raises:
-        ValueError: if the model has no graph (subclassed models: use :func:`profiler_flops`).
+        ValueError: if the model has no graph (subclassed models: use `profiler_flops`).
 
     Example:
         >>> import keras
@@ -289,12 +289,12 @@ def count_flops(model, prefix="") -> FlopCount:
 def profiler_flops(model, input_shape) -> float:
     """Forward FLOPs per sample counted by TensorFlow's profiler on the forward graph.
 
-    Traces ``model(x, training=False)`` for one sample of shape ``input_shape`` into a concrete
-    function and runs ``tf.compat.v1.profiler.profile`` with
-    ``ProfileOptionBuilder.float_operation()`` on its graph.
+    Traces `model(x, training=False)` for one sample of shape `input_shape` into a concrete
+    function and runs `tf.compat.v1.profiler.profile` with
+    `ProfileOptionBuilder.float_operation()` on its graph.
 
     Args:
-        model: a ``keras.Model`` (any kind).
+        model: a `keras.Model` (any kind).
         input_shape: tuple of ints, one sample's shape (no batch axis).
 
     Returns:
@@ -322,15 +322,15 @@ def training_flops_per_sample(model, input_shape=None) -> float:
     """Training FLOPs per sample (3 × forward), analytic when possible, else the profiler's.
 
     Args:
-        model: a ``keras.Model``.
+        model: a `keras.Model`.
         input_shape: one sample's shape, needed only for models without a graph. Defaults to
-            ``None``.
+            `None`.
 
     Returns:
         Float, FLOPs per training sample.
 
     Raises:
-        ValueError: a model without a graph and no ``input_shape``.
+        ValueError: a model without a graph and no `input_shape`.
     """
     if _functional(model) is not None:
         return count_flops(model).training
@@ -354,9 +354,9 @@ class CPUDescription:
     Args:
         cores: int, CPUs this process may use.
         mhz: float, clock in MHz.
-        flags: frozenset of strings, ``/proc/cpuinfo`` flags.
-        model: string, the model name. Defaults to ``""``.
-        mhz_source: string, where the clock came from. Defaults to ``""``.
+        flags: frozenset of strings, `/proc/cpuinfo` flags.
+        model: string, the model name. Defaults to `""`.
+        mhz_source: string, where the clock came from. Defaults to `""`.
     """
 
     cores: int
@@ -393,10 +393,10 @@ def flops_per_cycle(flags) -> tuple[int, int | None, str]:
     """Per-core fp32 and bf16 FLOPs per cycle from CPU flags (two FMA units assumed).
 
     Args:
-        flags: iterable of ``/proc/cpuinfo`` flag strings.
+        flags: iterable of `/proc/cpuinfo` flag strings.
 
     Returns:
-        ``(fp32_per_cycle, bf16_per_cycle or None, description)``.
+        `(fp32_per_cycle, bf16_per_cycle or None, description)`.
 
     Example:
         >>> flops_per_cycle({"avx512f", "fma", "avx2"})[0]
@@ -427,11 +427,11 @@ def read_cpu_description(
     """Reads this machine's CPU description.
 
     Args:
-        cpuinfo_path: string. Defaults to ``"/proc/cpuinfo"``.
-        sys_freq_path: string, the kHz maximum clock. Defaults to cpu0's ``cpuinfo_max_freq``.
+        cpuinfo_path: string. Defaults to `"/proc/cpuinfo"`.
+        sys_freq_path: string, the kHz maximum clock. Defaults to cpu0's `cpuinfo_max_freq`.
 
     Returns:
-        A :class:`CPUDescription` (clock 0 when nothing can be read).
+        A `CPUDescription` (clock 0 when nothing can be read).
     """
     try:
         cores = len(os.sched_getaffinity(0))
@@ -453,10 +453,10 @@ def cpu_peak(description: CPUDescription) -> Peak:
     """Peak FLOP/s of a CPU: cores × clock × FLOPs/cycle/core.
 
     Args:
-        description: a :class:`CPUDescription`.
+        description: a `CPUDescription`.
 
     Returns:
-        A :class:`Peak`.
+        A `Peak`.
 
     Example:
         >>> d = CPUDescription(cores=2, mhz=2600.0, flags=frozenset({"avx512f"}))
@@ -475,7 +475,7 @@ def cpu_peak(description: CPUDescription) -> Peak:
 
 
 def gpu_peak(name: str) -> Peak | None:
-    """Datasheet peak of a GPU by name (longest matching table key), or ``None`` if unknown.
+    """Datasheet peak of a GPU by name (longest matching table key), or `None` if unknown.
 
     Example:
         >>> gpu_peak("NVIDIA H200").fp32 / 1e12
@@ -493,7 +493,7 @@ def machine_peak() -> Peak:
     """The peak of the device training runs on: the first GPU if any (and known), else the CPU.
 
     Returns:
-        A :class:`Peak`.
+        A `Peak`.
     """
     import tensorflow as tf
 
@@ -506,12 +506,12 @@ def machine_peak() -> Peak:
 
 
 def efficiency_note(achieved_flops: float, peak: Peak, policy: str = "float32") -> str:
-    """``"12.3 GFLOP/s = 3.7% of peak"`` for a figure against the policy's peak.
+    """`"12.3 GFLOP/s = 3.7% of peak"` for a figure against the policy's peak.
 
     Args:
         achieved_flops: float, FLOP/s achieved.
-        peak: a :class:`Peak`.
-        policy: dtype policy name the figure was measured under. Defaults to ``"float32"``.
+        peak: a `Peak`.
+        policy: dtype policy name the figure was measured under. Defaults to `"float32"`.
 
     Returns:
         A short string.

@@ -1,10 +1,10 @@
 """What every benchmark suite shares: timing, memory sampling, alternation and the report.
 
-A *contender* is a function ``train(run) -> None`` that trains one model from the given initial
-weights for ``run.epochs`` epochs and calls ``run.epoch_done(train_loss, train_seconds,
-samples)`` after each epoch (``train_seconds``: time spent in training steps only, so
-throughput excludes validation) and ``run.finish(val_accuracy)`` at the end. The harness runs
-all contenders ``rounds`` times in alternation (A B C A B C ...), so slow drifts of the machine
+A *contender* is a function `train(run) -> None` that trains one model from the given initial
+weights for `run.epochs` epochs and calls `run.epoch_done(train_loss, train_seconds,
+samples)` after each epoch (`train_seconds`: time spent in training steps only, so
+throughput excludes validation) and `run.finish(val_accuracy)` at the end. The harness runs
+all contenders `rounds` times in alternation (A B C A B C ...), so slow drifts of the machine
 hit every contender alike, and reports medians and ratios against the first contender.
 """
 
@@ -50,10 +50,10 @@ def machine_description() -> str:
 
 
 class PeakRSS:
-    """Samples the process' resident set size in a thread; ``peak_mb`` is max RSS - RSS at start.
+    """Samples the process' resident set size in a thread; `peak_mb` is max RSS - RSS at start.
 
     CPU-only measure (the process' whole memory, including TF's allocator and graph caches); a
-    GPU's memory is measured with ``tf.config.experimental.get_memory_info`` instead.
+    GPU's memory is measured with `tf.config.experimental.get_memory_info` instead.
     """
 
     def __init__(self, interval=0.005):
@@ -93,7 +93,7 @@ class PeakRSS:
 
 
 class EpochTimer(keras.callbacks.Callback):
-    """Reports each epoch's training loss and training-only time to a harness ``Run``."""
+    """Reports each epoch's training loss and training-only time to a harness `Run`."""
 
     def __init__(self, run, samples_per_epoch):
         super().__init__()
@@ -148,7 +148,7 @@ class Run:
 
 
 def run_alternating(contenders, make_initial_weights, epochs, rounds, progress=print):
-    """Run every contender ``rounds`` times, alternating; returns ``{name: [Run, ...]}``."""
+    """Run every contender `rounds` times, alternating; returns `{name: [Run, ...]}`."""
     runs = {name: [] for name in contenders}
     for r in range(rounds):
         for name, train in contenders.items():
@@ -172,7 +172,7 @@ def _median(values):
 
 
 def summarize(runs, target_loss, baseline):
-    """Median figures per contender and ratios against ``baseline``; JSON-able rows."""
+    """Median figures per contender and ratios against `baseline`; JSON-able rows."""
     rows = []
     base_tp = _median([r.throughput() for r in runs[baseline]])
     base_ttl = _median([r.time_to_loss(target_loss) for r in runs[baseline]])
@@ -302,9 +302,9 @@ def plot_curves(runs, path, title, target_loss=None):
 
 
 def _strict_json(value):
-    """NaN/inf (e.g. a target loss never reached) become ``null``: the file stays strict JSON.
+    """NaN/inf (e.g. a target loss never reached) become `null`: the file stays strict JSON.
 
-    NumPy scalars and arrays become Python numbers and lists first, so a ``np.float32`` NaN is
+    NumPy scalars and arrays become Python numbers and lists first, so a `np.float32` NaN is
     caught too.
     """
     if isinstance(value, dict):
@@ -319,7 +319,7 @@ def _strict_json(value):
 
 
 def write_report(out_dir: Path, suite: str, markdown: str, payload: dict):
-    """Write ``{suite}.md`` and ``{suite}.json`` under ``out_dir``; return their paths."""
+    """Write `{suite}.md` and `{suite}.json` under `out_dir`; return their paths."""
     out_dir.mkdir(parents=True, exist_ok=True)
     md_path = out_dir / f"{suite}.md"
     json_path = out_dir / f"{suite}.json"

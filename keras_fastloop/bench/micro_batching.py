@@ -2,13 +2,13 @@
 
 A small convolutional network (no BatchNorm/Dropout) trains on *synthetic* 64x64x3 tensors
 (seeded Gaussian noise with random integer labels — the data only has to fill activations)
-with ``micro_batch_size`` k in {B, B/2, B/4}. Each setting runs in a fresh Python process so the
+with `micro_batch_size` k in {B, B/2, B/4}. Each setting runs in a fresh Python process so the
 peak measurement is not polluted by the others:
 
-- TensorFlow's allocator statistics (``tf.config.experimental.get_memory_info("CPU:0")``) are
+- TensorFlow's allocator statistics (`tf.config.experimental.get_memory_info("CPU:0")`) are
   tried first; TensorFlow does not support them for CPU devices, and then the peak resident set
-  size is used: ``resource.getrusage(RUSAGE_SELF).ru_maxrss`` at the end minus the RSS
-  (``psutil``) right before ``fit``, after the model, the data and the optimizer are built.
+  size is used: `resource.getrusage(RUSAGE_SELF).ru_maxrss` at the end minus the RSS
+  (`psutil`) right before `fit`, after the model, the data and the optimizer are built.
   That growth includes tracing the step once (the same for every k) and the activations.
 - The final weights of every setting are compared with those of the full batch (k = B).
 """
@@ -98,16 +98,16 @@ def run(out_dir: pathlib.Path, quick: bool = False) -> dict:
     """Measure peak memory per micro-batch size and check the updates are equal.
 
     Args:
-        out_dir: folder (``pathlib.Path``) where ``micro_batching.md`` and
-            ``micro_batching.json`` are written; created if missing.
-        quick: bool, default ``False``. ``True``: batch 32, one step (about half a minute
-            on two CPU cores); ``False``: batch 64, three steps.
+        out_dir: folder (`pathlib.Path`) where `micro_batching.md` and
+            `micro_batching.json` are written; created if missing.
+        quick: bool, default `False`. `True`: batch 32, one step (about half a minute
+            on two CPU cores); `False`: batch 64, three steps.
 
     Returns:
-        A dict with ``"settings"`` (one entry per k: peak RSS growth in MiB, ratio to the full
-        batch, max absolute weight difference to the full batch), ``"target_met"`` (peak at
-        k = B/4 at most 0.5x the full batch's), ``"updates_equal"`` (all weight differences
-        at most 1e-5), the configuration, and ``"markdown"`` (the report).
+        A dict with `"settings"` (one entry per k: peak RSS growth in MiB, ratio to the full
+        batch, max absolute weight difference to the full batch), `"target_met"` (peak at
+        k = B/4 at most 0.5x the full batch's), `"updates_equal"` (all weight differences
+        at most 1e-5), the configuration, and `"markdown"` (the report).
 
     Raises:
         RuntimeError: if a worker process fails.

@@ -1,7 +1,7 @@
 """Multi-task benchmark: every loss weighting method on real digits, classify + segment.
 
-Data: scikit-learn's ``load_digits`` (1797 real 8x8 handwritten digits, offline). Task ``cls``:
-the digit (10 classes). Task ``seg``: the ink mask of the *clean* image (pixel > 4 of 16). The
+Data: scikit-learn's `load_digits` (1797 real 8x8 handwritten digits, offline). Task `cls`:
+the digit (10 classes). Task `seg`: the ink mask of the *clean* image (pixel > 4 of 16). The
 network sees a corrupted image: Gaussian noise (sigma 0.35 on the [0, 1] scale) and one random
 3x3 patch blanked out, so segmentation needs the shape, not a threshold, and competes with
 classification for the shared trunk. Fixed 80/20 split (seed 0).
@@ -10,16 +10,16 @@ Model: a shared conv trunk (two 3x3 conv layers, 16 channels) with a classificat
 (flatten + dense softmax) and a segmentation head (1x1 conv, sigmoid). For each seed the initial
 weights are drawn once and every contender starts from them, with the same optimizer (Adam
 3e-3), batch size (64), number of epochs and data order. Methods run with their defaults
-(``dwa``'s averaging window is one epoch, its default since the window became epoch-based;
-the bench used to pass ``DWA(window=steps_per_epoch)`` explicitly). Single-task baselines (STL)
+(`dwa`'s averaging window is one epoch, its default since the window became epoch-based;
+the bench used to pass `DWA(window=steps_per_epoch)` explicitly). Single-task baselines (STL)
 train the same two-head network with the other task's loss removed.
 
 Reported per method: test accuracy, test IoU of the ink mask, Delta_m as LibMTL defines it,
-``Delta_m = 100/T * sum_i (-1)^{l_i} (M_i - M_i^STL) / M_i^STL`` (``l_i = 1`` when lower is
+`Delta_m = 100/T * sum_i (-1)^{l_i} (M_i - M_i^STL) / M_i^STL` (`l_i = 1` when lower is
 better; both metrics here are higher-is-better), and the steady-state step time relative to
-``ew``: the median wall time of a training step measured by a batch callback, over every step
+`ew`: the median wall time of a training step measured by a batch callback, over every step
 but the first two of each run (which include tracing). Targets: loss-based methods <= 1.05x
-``ew``, gradient-based <= (T + 0.5)x. Numbers are whatever this machine measures.
+`ew`, gradient-based <= (T + 0.5)x. Numbers are whatever this machine measures.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ TASKS = ("cls", "seg")
 
 
 def load_data(seed=0):
-    """Digits as ``(x_train, y_train, x_test, y_test)`` with ``y`` dicts ``{"cls", "seg"}``."""
+    """Digits as `(x_train, y_train, x_test, y_test)` with `y` dicts `{"cls", "seg"}`."""
     from sklearn.datasets import load_digits
 
     digits = load_digits()
@@ -115,7 +115,7 @@ def evaluate(model, x, y):
 
 
 def train_one(method, initial, data, epochs, batch_size=64):
-    """Train one contender from ``initial`` weights; return metrics and step times."""
+    """Train one contender from `initial` weights; return metrics and step times."""
     import keras
 
     x, y, x_test, y_test = data
@@ -162,7 +162,7 @@ def _mean_std(values):
 
 
 def run(out_dir: Path, quick: bool = False) -> dict:
-    """Run the suite and write ``multitask.md``, ``multitask.json``, ``multitask.png``.
+    """Run the suite and write `multitask.md`, `multitask.json`, `multitask.png`.
 
     Args:
         out_dir: folder for the report (created if missing).
@@ -170,7 +170,7 @@ def run(out_dir: Path, quick: bool = False) -> dict:
             minute); otherwise 3 seeds, 8 epochs on the full training split.
 
     Returns:
-        The results dict (also written as JSON) with a ``"markdown"`` table.
+        The results dict (also written as JSON) with a `"markdown"` table.
     """
     import keras
 

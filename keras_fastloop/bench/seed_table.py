@@ -1,38 +1,38 @@
-"""The seed's ablation table, measured: ``keras-fastloop bench --suite seed-table``.
+"""The seed's ablation table, measured: `keras-fastloop bench --suite seed-table`.
 
 The seed article, “TensorFlow 2.x custom training loops in practice: deep optimization
-strategies that make the loss fall 15% faster” (in Chinese; ``harness.SEED_ARTICLE``), claims,
+strategies that make the loss fall 15% faster” (in Chinese; `harness.SEED_ARTICLE`), claims,
 on a V100 with ResNet-50 / CIFAR-10, speed-up and memory saved per strategy: basic custom loop 15% / 5%; mixed precision 45% / 35%; dynamic
 batching 23% / 12%; gradient clipping 18% / –; all combined 62% / 42%. This suite measures the
 same rows with our own implementation, side by side (contenders alternate, several rounds,
 medians), from identical initial weights:
 
-- ``baseline``: ``keras.Model.fit`` on NumPy arrays (Keras' own input pipeline), float32.
-- ``custom step``: ``OptimizedModel.fit`` (the hand-written step), everything else the same.
-- ``+ mixed precision``: the custom step under the policy of
-  ``keras_fastloop.mixed_precision.set_recommended_policy`` (hardware rule, confirmed by timing
+- `baseline`: `keras.Model.fit` on NumPy arrays (Keras' own input pipeline), float32.
+- `custom step`: `OptimizedModel.fit` (the hand-written step), everything else the same.
+- `+ mixed precision`: the custom step under the policy of
+  `keras_fastloop.mixed_precision.set_recommended_policy` (hardware rule, confirmed by timing
   this model once before the rounds; float32 if the mixed policy does not pay).
-- ``+ dynamic batching``: the custom step fed by the seed's tf.data pipeline (shuffle buffer,
-  parallel ``map``, ``padded_batch``, ``prefetch(AUTOTUNE)``). The images here all have one
-  size, so ``padded_batch`` pads nothing: it is padded batching with a prefetching, autotuned
+- `+ dynamic batching`: the custom step fed by the seed's tf.data pipeline (shuffle buffer,
+  parallel `map`, `padded_batch`, `prefetch(AUTOTUNE)`). The images here all have one
+  size, so `padded_batch` pads nothing: it is padded batching with a prefetching, autotuned
   pipeline, exactly what the seed's "dynamic batching" does on CIFAR-10.
-  ``keras_fastloop.data.bucket_by_length`` (length buckets) only pays on variable-length data
-  (the ``bucketing`` suite measures it there).
-- ``+ gradient clipping``: the custom step with global-norm clipping at 1.0.
-- ``all combined``: custom step + mixed precision + dynamic batching + clipping.
-- ``all combined + steps_per_execution="auto"`` (ours, not in the seed's table).
+  `keras_fastloop.data.bucket_by_length` (length buckets) only pays on variable-length data
+  (the `bucketing` suite measures it there).
+- `+ gradient clipping`: the custom step with global-norm clipping at 1.0.
+- `all combined`: custom step + mixed precision + dynamic batching + clipping.
+- `all combined + steps_per_execution="auto"` (ours, not in the seed's table).
 
 Speed-up is training throughput (samples/s, every epoch but the first, which traces) over the
-baseline's, minus one. Memory: on a GPU the peak of ``tf.config.experimental.get_memory_info``
-after ``reset_memory_stats``, per run; on a CPU the growth of the process' peak resident set
+baseline's, minus one. Memory: on a GPU the peak of `tf.config.experimental.get_memory_info`
+after `reset_memory_stats`, per run; on a CPU the growth of the process' peak resident set
 size during the run (a coarse measure: TF's allocator caches, graphs and the data pipeline are
 all in it). Every figure is also given in FLOP/s against the machine's peak
-(:mod:`keras_fastloop.bench.flops`).
+(`keras_fastloop.bench.flops`).
 
-Profiles: ``cpu``: a small ResNet (3 stages of one basic block, 64/128/256 filters, batch norm) on
-the real digits images (``load_digits_data``, 16x16). ``gpu``: ``keras.applications.ResNet50
-(weights=None)`` on **synthetic** CIFAR-10-shaped tensors (random 32x32x3 images, random
-labels: throughput and memory only, accuracy meaningless); with ``quick=True`` it runs a tiny
+Profiles: `cpu`: a small ResNet (3 stages of one basic block, 64/128/256 filters, batch norm) on
+the real digits images (`load_digits_data`, 16x16). `gpu`: `keras.applications.ResNet50
+(weights=None)` on **synthetic** CIFAR-10-shaped tensors (random 32x32x3 images, random
+labels: throughput and memory only, accuracy meaningless); with `quick=True` it runs a tiny
 stand-in (the small ResNet on 32x32x3 synthetic tensors) so it finishes on a CPU in seconds.
 """
 
@@ -85,11 +85,11 @@ def build_small_resnet(
     The head is float32 so the loss stays float32 under mixed precision.
 
     Args:
-        model_cls: ``keras.Model`` or ``OptimizedModel``. Defaults to ``keras.Model``.
-        input_shape: one image's shape. Defaults to ``(16, 16, 1)``.
-        num_classes: int. Defaults to ``10``.
+        model_cls: `keras.Model` or `OptimizedModel`. Defaults to `keras.Model`.
+        input_shape: one image's shape. Defaults to `(16, 16, 1)`.
+        num_classes: int. Defaults to `10`.
         stages: tuple of ints, filters of each stage (one basic block each; the first keeps
-            the resolution, the others halve it). Defaults to ``(64, 128, 256)``.
+            the resolution, the others halve it). Defaults to `(64, 128, 256)`.
 
     Returns:
         An uncompiled functional model.
@@ -114,12 +114,12 @@ def build_small_resnet(
 
 
 def build_resnet50(model_cls=keras.Model, input_shape=(32, 32, 3), num_classes=10):
-    """``keras.applications.ResNet50(weights=None)`` without its top, plus a float32 head.
+    """`keras.applications.ResNet50(weights=None)` without its top, plus a float32 head.
 
     Args:
-        model_cls: ``keras.Model`` or ``OptimizedModel``. Defaults to ``keras.Model``.
-        input_shape: one image's shape. Defaults to CIFAR-10's ``(32, 32, 3)``.
-        num_classes: int. Defaults to ``10``.
+        model_cls: `keras.Model` or `OptimizedModel`. Defaults to `keras.Model`.
+        input_shape: one image's shape. Defaults to CIFAR-10's `(32, 32, 3)`.
+        num_classes: int. Defaults to `10`.
 
     Returns:
         An uncompiled functional model.
@@ -276,23 +276,23 @@ def _fmt(value, pattern, missing="–"):
 
 
 def run(out_dir: Path, quick: bool = False, profile: str = "cpu", progress=print) -> dict:
-    """Run the seed-table suite; write ``seed_table.md`` and ``seed_table.json``.
+    """Run the seed-table suite; write `seed_table.md` and `seed_table.json`.
 
     Args:
-        out_dir: ``pathlib.Path`` or string, folder for the reports (created if missing).
+        out_dir: `pathlib.Path` or string, folder for the reports (created if missing).
         quick: bool, tiny sizes (1 round, 2 epochs; the gpu profile uses a tiny stand-in
-            model) for tests: under a minute on 2 CPU cores. Defaults to ``False``.
-        profile: ``"cpu"`` (small ResNet, real digits images) or ``"gpu"`` (ResNet-50,
-            synthetic CIFAR-10-shaped tensors). Defaults to ``"cpu"``.
-        progress: callable receiving progress lines. Defaults to ``print``.
+            model) for tests: under a minute on 2 CPU cores. Defaults to `False`.
+        profile: `"cpu"` (small ResNet, real digits images) or `"gpu"` (ResNet-50,
+            synthetic CIFAR-10-shaped tensors). Defaults to `"cpu"`.
+        progress: callable receiving progress lines. Defaults to `print`.
 
     Returns:
-        A JSON-able dict: ``suite``, ``profile``, ``machine``, ``peak``, ``policy``, ``config``,
-        ``rows`` (one per row: measured speed-up %, memory change %, claims, ...), and
-        ``markdown``.
+        A JSON-able dict: `suite`, `profile`, `machine`, `peak`, `policy`, `config`,
+        `rows` (one per row: measured speed-up %, memory change %, claims, ...), and
+        `markdown`.
 
     Raises:
-        ValueError: an unknown ``profile``.
+        ValueError: an unknown `profile`.
 
     Example:
         >>> result = run(Path("bench_results"), quick=True)   # doctest: +SKIP

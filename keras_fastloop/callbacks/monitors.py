@@ -423,11 +423,11 @@ class ProfilerWindow(keras.callbacks.Callback):
         self._base = self._completed
 
     def batches_until_next_event(self, batch):
-        """Batches from the next one (index ``batch`` of the epoch) to the window's next edge.
+        """Batches from the next one (index `batch` of the epoch) to the window's next edge.
 
-        A step event for ``steps_per_execution="auto"`` (:mod:`keras_fastloop.tuning.events`):
-        executions end right before ``start_step`` and right after ``stop_step``, so the window
-        is profiled exactly. Returns an int >= 1, or ``None`` once the window is done.
+        A step event for `steps_per_execution="auto"` (`keras_fastloop.tuning.events`):
+        executions end right before `start_step` and right after `stop_step`, so the window
+        is profiled exactly. Returns an int >= 1, or `None` once the window is done.
         """
         if self._done:
             return None

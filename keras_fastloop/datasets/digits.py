@@ -19,13 +19,13 @@ def load_digits_data(image_size=16, validation_fraction=0.2, seed=0):
         seed: int, seed of the split. Default 0.
 
     Returns:
-        ``((x_train, y_train), (x_val, y_val))``: images of shape ``(n, image_size,
-        image_size, 1)`` float32 and integer labels 0-9 of shape ``(n,)`` int32.
+        `((x_train, y_train), (x_val, y_val))`: images of shape `(n, image_size,
+        image_size, 1)` float32 and integer labels 0-9 of shape `(n,)` int32.
 
     Raises:
-        ValueError: if ``image_size`` is not a positive multiple of 8 or
-            ``validation_fraction`` is outside (0, 1).
-        ImportError: if scikit-learn is not installed (``pip install keras-fastloop[bench]``).
+        ValueError: if `image_size` is not a positive multiple of 8 or
+            `validation_fraction` is outside (0, 1).
+        ImportError: if scikit-learn is not installed (`pip install keras-fastloop[bench]`).
     """
     _validation.check(
         _validation.is_int(image_size) and image_size >= 8 and image_size % 8 == 0,

@@ -1,17 +1,17 @@
-"""Automatic ``steps_per_execution`` and the one-line recommended setup.
+"""Automatic `steps_per_execution` and the one-line recommended setup.
 
-``OptimizedModel.compile(steps_per_execution="auto")`` tunes how many training steps run inside
-one compiled execution while ``fit`` runs (Keras 2 had this; Keras 3 dropped it). The parts:
+`OptimizedModel.compile(steps_per_execution="auto")` tunes how many training steps run inside
+one compiled execution while `fit` runs (Keras 2 had this; Keras 3 dropped it). The parts:
 
-- :mod:`.tuner`: :class:`StepsPerExecutionTuner`, a pure state machine fed with
-  ``(steps, seconds)`` measurements;
-- :mod:`.events`: the step events every execution ends at (step-gated callbacks);
-- :mod:`._glue`: the compile-time state and the variable-count train function; the grouping of
-  batches into executions is one of the epoch transforms of :mod:`keras_fastloop._fit_loop`;
-- :mod:`.recommended`: :func:`recommended_setup` and :func:`optimize_pipeline`.
+- `.tuner`: `StepsPerExecutionTuner`, a pure state machine fed with
+  `(steps, seconds)` measurements;
+- `.events`: the step events every execution ends at (step-gated callbacks);
+- `._glue`: the compile-time state and the variable-count train function; the grouping of
+  batches into executions is one of the epoch transforms of `keras_fastloop._fit_loop`;
+- `.recommended`: `recommended_setup` and `optimize_pipeline`.
 
 The design (what Keras 3.15 allows, the grouping rule, what is not tuned) is in
-``docs/fit_loop.md``.
+`docs/fit_loop.md`.
 """
 
 from keras_fastloop.tuning._glue import (  # noqa: F401 - used as kf.tuning.<name>

@@ -1,8 +1,8 @@
-"""``steps_per_execution="auto"``: compile-time state and the variable-count train function.
+"""`steps_per_execution="auto"`: compile-time state and the variable-count train function.
 
-Keras' multi-step ``tf.function`` has ``steps_per_execution`` baked in as a Python int; here the
-step count is a tensor argument, so one trace serves every count (``docs/fit_loop.md``). The
-grouping of batches into executions lives in :mod:`keras_fastloop._fit_loop`.
+Keras' multi-step `tf.function` has `steps_per_execution` baked in as a Python int; here the
+step count is a tensor argument, so one trace serves every count (`docs/fit_loop.md`). The
+grouping of batches into executions lives in `keras_fastloop._fit_loop`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from keras_fastloop.tuning.tuner import AUTO, StepsPerExecutionTuner, validate_s
 
 
 class _AutoState:
-    """Per-model runtime state of ``steps_per_execution="auto"`` (not serialized)."""
+    """Per-model runtime state of `steps_per_execution="auto"` (not serialized)."""
 
     def __init__(self, tuner):
         self.tuner = tuner
@@ -25,19 +25,19 @@ class _AutoState:
 
 
 def resolve_steps_per_execution(value, tuner=None):
-    """Splits a ``compile`` argument into Keras' value and the auto state.
+    """Splits a `compile` argument into Keras' value and the auto state.
 
     Args:
-        value: ``"auto"`` or a positive int (validated).
-        tuner: optional ``StepsPerExecutionTuner`` to use for ``"auto"``. Defaults to a new
+        value: `"auto"` or a positive int (validated).
+        tuner: optional `StepsPerExecutionTuner` to use for `"auto"`. Defaults to a new
             one with default arguments.
 
     Returns:
-        ``(keras_steps_per_execution, state)``: ``(1, state)`` for ``"auto"``, ``(value, None)``
+        `(keras_steps_per_execution, state)`: `(1, state)` for `"auto"`, `(value, None)`
         otherwise.
 
     Raises:
-        ValueError: as :func:`~keras_fastloop.tuning.validate_steps_per_execution`.
+        ValueError: as `validate_steps_per_execution`.
     """
     value = validate_steps_per_execution(value)
     if value == AUTO:
@@ -46,12 +46,12 @@ def resolve_steps_per_execution(value, tuner=None):
 
 
 def auto_state(model):
-    """The model's ``_AutoState``, or ``None`` when it was not compiled with ``"auto"``."""
+    """The model's `_AutoState`, or `None` when it was not compiled with `"auto"`."""
     return getattr(model, "_fastloop_auto_spe", None)
 
 
 def tunable(model):
-    """Whether ``"auto"`` may group steps: not under ``run_eagerly`` nor multi-worker."""
+    """Whether `"auto"` may group steps: not under `run_eagerly` nor multi-worker."""
     from keras_fastloop._step import distributed
 
     return not model.run_eagerly and not distributed.is_multi_worker(model.distribute_strategy)
@@ -132,15 +132,15 @@ def _variable_steps_function(model, step_function, state):
 
 
 def make_train_function(model, keras_make_train_function, force=False):
-    """``make_train_function`` that builds the variable-count train function under "auto" (glue).
+    """`make_train_function` that builds the variable-count train function under "auto" (glue).
 
     Args:
         model: the model.
-        keras_make_train_function: the bound Keras ``make_train_function``.
-        force: bool, rebuild even if one exists. Defaults to ``False``.
+        keras_make_train_function: the bound Keras `make_train_function`.
+        force: bool, rebuild even if one exists. Defaults to `False`.
 
     Returns:
-        The train function (``model.train_function``).
+        The train function (`model.train_function`).
     """
     state = auto_state(model)
     if state is None or not tunable(model):

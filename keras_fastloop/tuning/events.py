@@ -1,23 +1,23 @@
 """Step events: the points between two batches at which a callback must see the model.
 
-An execution of several training steps (``steps_per_execution``) is opaque to callbacks: they
-run before and after it, never inside. Under ``steps_per_execution="auto"`` the fit loop
-(:mod:`keras_fastloop._fit_loop`) therefore ends every execution at the next step event. A
+An execution of several training steps (`steps_per_execution`) is opaque to callbacks: they
+run before and after it, never inside. Under `steps_per_execution="auto"` the fit loop
+(`keras_fastloop._fit_loop`) therefore ends every execution at the next step event. A
 callback declares its events in one of these ways (all are honoured, the nearest one wins):
 
-- a method ``steps_until_next_event(step) -> int | None``: optimizer steps from ``step``
-  (``optimizer.iterations`` now) to the next step after which it must run;
-- a positive int attribute ``every_n_steps`` or ``log_every_n_steps``: events after every
-  multiple of it in optimizer steps (``PeriodicValidation``, ``ThroughputMonitor``);
-- a method ``batches_until_next_event(batch) -> int | None``: batches, counting the next one to
-  train (index ``batch`` of the epoch), until the next batch after which it must run
-  (``ProfilerWindow``: before its first step and after its last);
-- a positive int attribute ``save_freq`` (``keras.callbacks.ModelCheckpoint``,
-  ``keras.callbacks.BackupAndRestore``): a save after every ``save_freq`` batches, counted by
+- a method `steps_until_next_event(step) -> int | None`: optimizer steps from `step`
+  (`optimizer.iterations` now) to the next step after which it must run;
+- a positive int attribute `every_n_steps` or `log_every_n_steps`: events after every
+  multiple of it in optimizer steps (`PeriodicValidation`, `ThroughputMonitor`);
+- a method `batches_until_next_event(batch) -> int | None`: batches, counting the next one to
+  train (index `batch` of the epoch), until the next batch after which it must run
+  (`ProfilerWindow`: before its first step and after its last);
+- a positive int attribute `save_freq` (`keras.callbacks.ModelCheckpoint`,
+  `keras.callbacks.BackupAndRestore`): a save after every `save_freq` batches, counted by
   the callback itself.
 
-With the optimizer's ``gradient_accumulation_steps=a`` one optimizer step is ``a`` batches.
-Nested ``callbacks`` lists (those of ``PeriodicValidation``) are not searched: they act at its
+With the optimizer's `gradient_accumulation_steps=a` one optimizer step is `a` batches.
+Nested `callbacks` lists (those of `PeriodicValidation`) are not searched: they act at its
 validations.
 """
 
@@ -54,17 +54,17 @@ def _step_gaps(callback, step):
 
 
 def steps_until_next_event(callbacks, step):
-    """Optimizer steps from ``step`` until the next step a callback must act on.
+    """Optimizer steps from `step` until the next step a callback must act on.
 
-    Only the step-counted declarations (``steps_until_next_event`` methods, ``every_n_steps``
-    and ``log_every_n_steps`` attributes; see the module docstring) count here.
+    Only the step-counted declarations (`steps_until_next_event` methods, `every_n_steps`
+    and `log_every_n_steps` attributes; see the module docstring) count here.
 
     Args:
-        callbacks: iterable of ``keras.callbacks.Callback``.
-        step: int, the optimizer step now (``optimizer.iterations``).
+        callbacks: iterable of `keras.callbacks.Callback`.
+        step: int, the optimizer step now (`optimizer.iterations`).
 
     Returns:
-        The smallest number of steps to an event (>= 1), or ``None`` when no callback is
+        The smallest number of steps to an event (>= 1), or `None` when no callback is
         step-gated.
 
     Example:
@@ -91,14 +91,14 @@ def batches_until_next_event(callbacks, step, batch, accumulation=1):
     """Batches, counting the next one, until the next step event of any callback.
 
     Args:
-        callbacks: iterable of ``keras.callbacks.Callback``.
-        step: int, ``optimizer.iterations`` now.
+        callbacks: iterable of `keras.callbacks.Callback`.
+        step: int, `optimizer.iterations` now.
         batch: int, index in the epoch of the next batch to train.
         accumulation: int >= 1, batches per optimizer step (the optimizer's
-            ``gradient_accumulation_steps``). Defaults to ``1``.
+            `gradient_accumulation_steps`). Defaults to `1`.
 
     Returns:
-        An int >= 1: the next execution may train at most this many batches; or ``None`` when
+        An int >= 1: the next execution may train at most this many batches; or `None` when
         no callback declares an event.
     """
     gaps = []
@@ -119,8 +119,8 @@ def event_periods(callbacks, accumulation=1):
     """The periods, in batches, of the callbacks' periodic events (step periods and save_freq).
 
     Args:
-        callbacks: iterable of ``keras.callbacks.Callback``.
-        accumulation: int >= 1, batches per optimizer step. Defaults to ``1``.
+        callbacks: iterable of `keras.callbacks.Callback`.
+        accumulation: int >= 1, batches per optimizer step. Defaults to `1`.
 
     Returns:
         A list of ints >= 1 (empty when no callback has a periodic event).
@@ -137,10 +137,10 @@ def event_periods(callbacks, accumulation=1):
 
 
 def reads_optimizer_step(callbacks):
-    """Whether any callback declares step-counted events (then ``optimizer.iterations`` is read).
+    """Whether any callback declares step-counted events (then `optimizer.iterations` is read).
 
     Args:
-        callbacks: iterable of ``keras.callbacks.Callback``.
+        callbacks: iterable of `keras.callbacks.Callback`.
 
     Returns:
         bool.

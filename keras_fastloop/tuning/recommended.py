@@ -1,4 +1,4 @@
-"""The one-line recommended setup: precision for the hardware, ``"auto"`` steps, a tf.data pipeline.
+"""The one-line recommended setup: precision for the hardware, `"auto"` steps, a tf.data pipeline.
 
 Reference: TensorFlow guide "Better performance with the tf.data API" (2019-) for the pipeline.
 """
@@ -21,20 +21,20 @@ def optimize_pipeline(dataset, cache=False):
     """A tf.data pipeline that overlaps input work with training.
 
     Turns on tf.data's autotuning and parallel/fused map optimizations, optionally caches the
-    (already batched) elements in memory, and ends with ``prefetch(tf.data.AUTOTUNE)``. The
-    element order is unchanged (``deterministic`` stays on).
+    (already batched) elements in memory, and ends with `prefetch(tf.data.AUTOTUNE)`. The
+    element order is unchanged (`deterministic` stays on).
 
     Args:
-        dataset: a ``tf.data.Dataset`` of batches.
+        dataset: a `tf.data.Dataset` of batches.
         cache: bool, cache the elements in memory after the first pass (only for data sets that
             fit in memory and whose elements do not change between epochs; shuffling before
-            batching would be frozen). Defaults to ``False``.
+            batching would be frozen). Defaults to `False`.
 
     Returns:
-        The ``tf.data.Dataset`` to pass to ``fit``.
+        The `tf.data.Dataset` to pass to `fit`.
 
     Raises:
-        TypeError: if ``dataset`` is not a ``tf.data.Dataset``.
+        TypeError: if `dataset` is not a `tf.data.Dataset`.
 
     Example:
         >>> ds = tf.data.Dataset.range(8).batch(4)
@@ -59,12 +59,12 @@ def optimize_pipeline(dataset, cache=False):
 
 @dataclasses.dataclass
 class RecommendedSetup:
-    """What :func:`recommended_setup` chose; spread ``compile_kwargs`` into ``compile``.
+    """What `recommended_setup` chose; spread `compile_kwargs` into `compile`.
 
     Args:
         policy: string, the global dtype policy now set.
-        policy_choice: the ``keras_fastloop.mixed_precision.PolicyChoice`` behind it.
-        steps_per_execution: ``"auto"`` (the compile argument). Defaults to ``"auto"``.
+        policy_choice: the `keras_fastloop.mixed_precision.PolicyChoice` behind it.
+        steps_per_execution: `"auto"` (the compile argument). Defaults to `"auto"`.
     """
 
     policy: str
@@ -73,11 +73,11 @@ class RecommendedSetup:
 
     @property
     def compile_kwargs(self):
-        """Keyword arguments for ``OptimizedModel.compile``: ``{"steps_per_execution": ...}``."""
+        """Keyword arguments for `OptimizedModel.compile`: `{"steps_per_execution": ...}`."""
         return {"steps_per_execution": self.steps_per_execution}
 
     def pipeline(self, dataset, cache=False):
-        """The dataset through :func:`optimize_pipeline`."""
+        """The dataset through `optimize_pipeline`."""
         return optimize_pipeline(dataset, cache=cache)
 
     def summary(self):
@@ -109,39 +109,39 @@ def recommended_setup(
     """Turns on the recommended fast setup for the next models: one line, before building them.
 
     1. Precision: sets the global dtype policy chosen for the hardware by
-       ``keras_fastloop.mixed_precision`` (``mixed_bfloat16`` on GPUs of compute capability
-       >= 8.0 and CPUs with AVX512_BF16/AMX, ``mixed_float16`` on 7.x GPUs, else float32). With
-       ``model_fn`` and ``data`` the choice is timed against float32 on the user's model and the
-       mixed policy is kept only if it is faster by more than ``min_speedup``; otherwise float32
+       `keras_fastloop.mixed_precision` (`mixed_bfloat16` on GPUs of compute capability
+       >= 8.0 and CPUs with AVX512_BF16/AMX, `mixed_float16` on 7.x GPUs, else float32). With
+       `model_fn` and `data` the choice is timed against float32 on the user's model and the
+       mixed policy is kept only if it is faster by more than `min_speedup`; otherwise float32
        stays (never slower than plain precision, by measurement). Without them the hardware
        rule alone decides.
-    2. ``steps_per_execution="auto"`` for ``compile`` (see ``docs/fit_loop.md``): it starts
+    2. `steps_per_execution="auto"` for `compile` (see `docs/fit_loop.md`): it starts
        at 1 (Keras' default) and grows only while measured throughput improves, so it falls back
        to 1 when larger counts do not pay.
-    3. :meth:`RecommendedSetup.pipeline`: prefetch/autotune for a tf.data input.
+    3. `RecommendedSetup.pipeline`: prefetch/autotune for a tf.data input.
 
     Call it before building the model (layers take the policy when they are created). The
-    model's output layers that feed losses should be float32 (``dtype="float32"`` or
-    ``keras_fastloop.mixed_precision.Float32Output``); ``check_output_dtypes`` names offenders.
+    model's output layers that feed losses should be float32 (`dtype="float32"` or
+    `keras_fastloop.mixed_precision.Float32Output`); `check_output_dtypes` names offenders.
 
     Args:
-        model_fn: callable with no arguments returning a compiled model, or ``None``. Defaults
-            to ``None``.
-        data: one batch ``(x, y)`` or a dataset, used with ``model_fn``. Defaults to ``None``.
-        min_speedup: float > 0, required speed-up of the mixed policy. Defaults to ``1.05``.
-        steps: int >= 1, timed steps per candidate policy. Defaults to ``5``.
-        hardware: ``mixed_precision.HardwareInfo`` or ``None`` (this machine). Defaults to
-            ``None``.
-        timer: callable returning seconds. Defaults to ``time.perf_counter``.
-        verbose: bool, print :meth:`RecommendedSetup.summary` (what was chosen, why, how to
-            undo it). Defaults to ``True``.
+        model_fn: callable with no arguments returning a compiled model, or `None`. Defaults
+            to `None`.
+        data: one batch `(x, y)` or a dataset, used with `model_fn`. Defaults to `None`.
+        min_speedup: float > 0, required speed-up of the mixed policy. Defaults to `1.05`.
+        steps: int >= 1, timed steps per candidate policy. Defaults to `5`.
+        hardware: `mixed_precision.HardwareInfo` or `None` (this machine). Defaults to
+            `None`.
+        timer: callable returning seconds. Defaults to `time.perf_counter`.
+        verbose: bool, print `RecommendedSetup.summary` (what was chosen, why, how to
+            undo it). Defaults to `True`.
 
     Returns:
-        A :class:`RecommendedSetup`.
+        A `RecommendedSetup`.
 
     Raises:
-        ValueError: ``model_fn`` given without ``data`` (or the reverse), or as
-            ``mixed_precision.set_recommended_policy``; a non-bool ``verbose``.
+        ValueError: `model_fn` given without `data` (or the reverse), or as
+            `mixed_precision.set_recommended_policy`; a non-bool `verbose`.
 
     Example:
         >>> setup = recommended_setup()          # before building the model

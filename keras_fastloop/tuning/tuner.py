@@ -1,9 +1,9 @@
-"""The pure ``steps_per_execution`` tuner: a state machine fed with ``(steps, seconds)``.
+"""The pure `steps_per_execution` tuner: a state machine fed with `(steps, seconds)`.
 
-It knows no clock and no model, so tests drive it with made-up numbers. How ``fit`` uses it is in
-:mod:`keras_fastloop._fit_loop` and ``docs/fit_loop.md``.
+It knows no clock and no model, so tests drive it with made-up numbers. How `fit` uses it is in
+`keras_fastloop._fit_loop` and `docs/fit_loop.md`.
 
-Reference: Keras 2.13 ``keras/utils/steps_per_execution_tuning.py`` (the runtime tuner Keras 3
+Reference: Keras 2.13 `keras/utils/steps_per_execution_tuning.py` (the runtime tuner Keras 3
 dropped).
 """
 
@@ -19,16 +19,16 @@ AUTO = "auto"
 
 
 def validate_steps_per_execution(value):
-    """Checks a ``steps_per_execution`` argument.
+    """Checks a `steps_per_execution` argument.
 
     Args:
-        value: ``"auto"`` or a positive int.
+        value: `"auto"` or a positive int.
 
     Returns:
-        The value, unchanged (a Python int or ``"auto"``).
+        The value, unchanged (a Python int or `"auto"`).
 
     Raises:
-        ValueError: if it is neither ``"auto"`` nor a positive int.
+        ValueError: if it is neither `"auto"` nor a positive int.
 
     Example:
         >>> validate_steps_per_execution("auto")
@@ -47,42 +47,42 @@ def validate_steps_per_execution(value):
 class StepsPerExecutionTuner:
     """Chooses the number of steps per execution from measured step throughput.
 
-    A pure state machine: :meth:`propose` says how many steps the next execution should run,
-    :meth:`observe` receives how many steps the finished execution ran and how long it took.
+    A pure state machine: `propose` says how many steps the next execution should run,
+    `observe` receives how many steps the finished execution ran and how long it took.
 
-    The first ``warmup_executions`` observations after :meth:`begin` (each ``fit``) are dropped:
+    The first `warmup_executions` observations after `begin` (each `fit`) are dropped:
     they include tracing. Phases:
 
-    - ``"probing"``: the candidate starts at ``initial`` and is measured over ``window``
-      executions of exactly ``candidate`` steps (median of steps/second). If it beats the best
-      rate so far by more than ``min_gain`` (a fraction) it becomes the best and the candidate
-      grows by ``growth_factor``; after ``patience`` candidates in a row that do not pay, or
-      when the next candidate would pass the cap (``max_steps`` and the horizon set with
-      :meth:`set_horizon`) or one execution already takes ``max_seconds_per_execution``, it
+    - `"probing"`: the candidate starts at `initial` and is measured over `window`
+      executions of exactly `candidate` steps (median of steps/second). If it beats the best
+      rate so far by more than `min_gain` (a fraction) it becomes the best and the candidate
+      grows by `growth_factor`; after `patience` candidates in a row that do not pay, or
+      when the next candidate would pass the cap (`max_steps` and the horizon set with
+      `set_horizon`) or one execution already takes `max_seconds_per_execution`, it
       settles on the best. Observations of other step counts (executions cut short by an event
-      or an epoch end) are not measurements of the candidate; after ``4 * window`` of them in a
+      or an epoch end) are not measurements of the candidate; after `4 * window` of them in a
       row it settles on the best so far.
-    - ``"settled"``: it keeps measuring the chosen count in windows; when ``drift_windows``
-      windows in a row differ from the rate it settled with by more than ``drift_tolerance``
-      (a fraction), it probes again from ``chosen // growth_factor`` (at least ``initial``).
+    - `"settled"`: it keeps measuring the chosen count in windows; when `drift_windows`
+      windows in a row differ from the rate it settled with by more than `drift_tolerance`
+      (a fraction), it probes again from `chosen // growth_factor` (at least `initial`).
 
     Args:
-        initial: int >= 1, the first candidate. Defaults to ``1``.
-        max_steps: int >= initial, the largest count ever proposed. Defaults to ``64``.
-        growth_factor: int >= 2, candidate multiplier. Defaults to ``2``.
+        initial: int >= 1, the first candidate. Defaults to `1`.
+        max_steps: int >= initial, the largest count ever proposed. Defaults to `64`.
+        growth_factor: int >= 2, candidate multiplier. Defaults to `2`.
         min_gain: float >= 0, relative throughput gain a larger count must bring.
-            Defaults to ``0.05``.
-        window: int >= 1, executions per measurement. Defaults to ``3``.
-        warmup_executions: int >= 0, observations dropped after :meth:`begin`. Defaults to
-            ``1``.
-        patience: int >= 1, non-paying candidates in a row before settling. Defaults to ``2``
+            Defaults to `0.05`.
+        window: int >= 1, executions per measurement. Defaults to `3`.
+        warmup_executions: int >= 0, observations dropped after `begin`. Defaults to
+            `1`.
+        patience: int >= 1, non-paying candidates in a row before settling. Defaults to `2`
             (one noisy window on a shared machine does not end the search).
         drift_tolerance: float > 0, relative change of the settled rate that counts as drift.
-            Defaults to ``0.3``.
+            Defaults to `0.3`.
         drift_windows: int >= 1, drifting windows in a row that trigger re-tuning. Defaults to
-            ``2``.
+            `2`.
         max_seconds_per_execution: float > 0, no growth once an execution takes this long
-            (keeps progress and interrupts responsive). Defaults to ``1.0``.
+            (keeps progress and interrupts responsive). Defaults to `1.0`.
 
     Raises:
         ValueError: an argument out of range.
@@ -98,7 +98,7 @@ class StepsPerExecutionTuner:
         >>> tuner.propose()
         4
 
-    Reference: Keras 2.13 ``StepsPerExecutionTuner`` (grow while the rate improves).
+    Reference: Keras 2.13 `StepsPerExecutionTuner` (grow while the rate improves).
     """
 
     def __init__(
@@ -180,7 +180,7 @@ class StepsPerExecutionTuner:
     # -- inputs ----------------------------------------------------------------------------
 
     def begin(self):
-        """Starts a new ``fit``: the next ``warmup_executions`` observations are dropped.
+        """Starts a new `fit`: the next `warmup_executions` observations are dropped.
 
         Whatever was learned (the settled count) is kept.
         """
@@ -189,10 +189,10 @@ class StepsPerExecutionTuner:
         self._off_size = 0
 
     def set_horizon(self, horizon):
-        """Caps every proposal at ``horizon`` steps (e.g. the period of a step-gated callback).
+        """Caps every proposal at `horizon` steps (e.g. the period of a step-gated callback).
 
         Args:
-            horizon: int >= 1 or ``None`` (no cap besides ``max_steps``).
+            horizon: int >= 1 or `None` (no cap besides `max_steps`).
         """
         self.horizon = None if horizon is None else max(1, int(horizon))
         cap = self.cap
@@ -203,7 +203,7 @@ class StepsPerExecutionTuner:
 
     @property
     def cap(self):
-        """The largest count the tuner may propose: ``max_steps`` and the horizon."""
+        """The largest count the tuner may propose: `max_steps` and the horizon."""
         return self.max_steps if self.horizon is None else min(self.max_steps, self.horizon)
 
     @property
@@ -215,10 +215,10 @@ class StepsPerExecutionTuner:
         """The number of steps the next execution should run.
 
         Args:
-            limit: int >= 1 or ``None``: steps left before the next event or epoch end.
+            limit: int >= 1 or `None`: steps left before the next event or epoch end.
 
         Returns:
-            ``min(current count, cap, limit)``, at least 1.
+            `min(current count, cap, limit)`, at least 1.
         """
         k = min(self.candidate, self.cap)
         if limit is not None:

@@ -1,7 +1,7 @@
 """Multi-task loss weighting methods, by LibMTL short id.
 
-``compile(loss_weighting=...)`` takes ``None`` (Keras' ``loss_weights``), a method id or a
-:class:`LossWeighting` object; :func:`get` resolves it.
+`compile(loss_weighting=...)` takes `None` (Keras' `loss_weights`), a method id or a
+`LossWeighting` object; `get` resolves it.
 """
 
 from __future__ import annotations
@@ -48,16 +48,16 @@ _METHODS = {
 
 
 def get(identifier):
-    """Resolve ``compile(loss_weighting=...)``.
+    """Resolve `compile(loss_weighting=...)`.
 
     Args:
-        identifier: ``None`` (fixed ``loss_weights``, as Keras), a method id (see
-            ``keras_fastloop.weighting.METHODS``), a :class:`LossWeighting` instance, or a config
-            dict from ``keras.saving``.
+        identifier: `None` (fixed `loss_weights`, as Keras), a method id (see
+            `keras_fastloop.weighting.METHODS`), a `LossWeighting` instance, or a config
+            dict from `keras.saving`.
 
     Returns:
-        A :class:`LossWeighting` instance, or ``None`` for ``None`` (as ``keras.losses.get``;
-        ``compile`` then uses :class:`Static`, Keras' fixed ``loss_weights``).
+        A `LossWeighting` instance, or `None` for `None` (as `keras.losses.get`;
+        `compile` then uses `Static`, Keras' fixed `loss_weights`).
 
     Raises:
         ValueError: for an unknown method id.
@@ -85,21 +85,21 @@ def get(identifier):
 
 
 def check_loss_weights(weighting, loss_weights):
-    """Refuse ``compile(loss_weights=...)`` that the weighting method would ignore.
+    """Refuse `compile(loss_weights=...)` that the weighting method would ignore.
 
-    Only ``static`` (the default, ``loss_weighting=None``) and methods that set
-    ``accepts_loss_weights = True`` use ``loss_weights``; every adaptive method decides its own
+    Only `static` (the default, `loss_weighting=None`) and methods that set
+    `accepts_loss_weights = True` use `loss_weights`; every adaptive method decides its own
     weights, and silently dropping the user's would train something else than asked. Weights
     that are all exactly 1 are accepted everywhere (they change nothing; their keys and length
-    are checked later by ``compile``). Called by ``compile()`` right after :func:`get`, before
+    are checked later by `compile`). Called by `compile()` right after `get`, before
     the losses are resolved.
 
     Args:
-        weighting: the :class:`LossWeighting` from :func:`get` (``None``: static weights).
-        loss_weights: ``compile``'s ``loss_weights``: ``None``, a float, a list or a dict.
+        weighting: the `LossWeighting` from `get` (`None`: static weights).
+        loss_weights: `compile`'s `loss_weights`: `None`, a float, a list or a dict.
 
     Raises:
-        ValueError: ``loss_weights`` with an entry other than 1 for a method that ignores them.
+        ValueError: `loss_weights` with an entry other than 1 for a method that ignores them.
     """
     if loss_weights is None or weighting is None or weighting.accepts_loss_weights:
         return

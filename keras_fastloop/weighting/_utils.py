@@ -23,7 +23,7 @@ def state_variable(state, name, shape, value=0.0, dtype="float32"):
 
 
 def update_losses(losses):
-    """The losses ``update`` receives, as a float32 vector of shape ``(T,)``.
+    """The losses `update` receives, as a float32 vector of shape `(T,)`.
 
     The step passes each task's loss on the *global* batch (summed across replicas before the
     conditional update, so every replica sees the same values and holds the same state).
@@ -32,8 +32,8 @@ def update_losses(losses):
 
 
 def resolve_seed(seed, what="seed"):
-    """``None`` -> a fresh seed drawn from Python's ``random`` (seeded by
-    ``keras.utils.set_random_seed``); an int is checked and returned."""
+    """`None` -> a fresh seed drawn from Python's `random` (seeded by
+    `keras.utils.set_random_seed`); an int is checked and returned."""
     if seed is None:
         return random.randint(0, 2**31 - 1)
     _validation.check(_validation.is_int(seed), what, "None or an int", seed)
@@ -41,7 +41,7 @@ def resolve_seed(seed, what="seed"):
 
 
 def stateless_seed(seed, counter):
-    """A ``(2,)`` int64 seed for ``tf.random.stateless_*`` from a fixed seed and a step counter."""
+    """A `(2,)` int64 seed for `tf.random.stateless_*` from a fixed seed and a step counter."""
     return ops.stack([ops.cast(seed, "int64"), ops.cast(counter, "int64")])
 
 

@@ -11,7 +11,7 @@ from keras_fastloop.weighting.base import _PACKAGE, LossWeighting
 
 
 class _EndWindowAtEpochEnd(keras.callbacks.Callback):
-    """Closes a :class:`DWA` averaging window at the end of every ``fit`` epoch."""
+    """Closes a `DWA` averaging window at the end of every `fit` epoch."""
 
     def __init__(self, dwa):
         super().__init__()
@@ -23,33 +23,33 @@ class _EndWindowAtEpochEnd(keras.callbacks.Callback):
 
 @keras.saving.register_keras_serializable(package=_PACKAGE)
 class DWA(LossWeighting):
-    """Dynamic Weight Average: weight tasks by how slowly their loss is falling (``dwa``).
+    """Dynamic Weight Average: weight tasks by how slowly their loss is falling (`dwa`).
 
-    Algorithm. ``Lbar_i(k)`` is task ``i``'s mean training loss over window ``k`` (every applied
-    update counts once). For window ``k >= 2``::
+    Algorithm. `Lbar_i(k)` is task `i`'s mean training loss over window `k` (every applied
+    update counts once). For window `k >= 2`::
 
         r_i = Lbar_i(k-1) / Lbar_i(k-2)
         w_i = T * exp(r_i / temperature) / sum_j exp(r_j / temperature)
 
-    and ``w_i = 1`` during the first two windows. Weights sum to ``T``. They change only at
-    window boundaries, are held in the ``weights`` variable and can be assigned mid-``fit``
+    and `w_i = 1` during the first two windows. Weights sum to `T`. They change only at
+    window boundaries, are held in the `weights` variable and can be assigned mid-`fit`
     (they then hold until the next window boundary).
 
-    Windows. By default (``window=None``) a window is one epoch of ``fit``, as in the paper and
+    Windows. By default (`window=None`) a window is one epoch of `fit`, as in the paper and
     LibMTL: the step only adds the losses to a float64 running sum (two variable updates per
-    step), and ``OptimizedModel.fit`` adds a callback that calls :meth:`end_window` at every
-    epoch end. In a custom training loop call ``model.loss_weighting.end_window()`` yourself at
-    each epoch end. The alternative, ``window=N``, closes a window every ``N`` applied updates
+    step), and `OptimizedModel.fit` adds a callback that calls `end_window` at every
+    epoch end. In a custom training loop call `model.loss_weighting.end_window()` yourself at
+    each epoch end. The alternative, `window=N`, closes a window every `N` applied updates
     inside the compiled step (for very long epochs, or to decouple DWA from the epoch length;
     it costs a few more operations per step).
 
     Args:
-        temperature: positive float, default ``2.0`` (the paper's ``T``); larger is softer.
-        window: ``None`` (default: one window per epoch) or a positive int: optimizer updates per
+        temperature: positive float, default `2.0` (the paper's `T`); larger is softer.
+        window: `None` (default: one window per epoch) or a positive int: optimizer updates per
             averaging window.
 
     Raises:
-        ValueError: a non-positive ``temperature`` or ``window``.
+        ValueError: a non-positive `temperature` or `window`.
 
     Example:
         >>> model.compile("adam", losses, loss_weighting=DWA(temperature=2.0))
@@ -102,7 +102,7 @@ class DWA(LossWeighting):
     def end_window(self):
         """Close the current averaging window (eagerly) and set the next window's weights.
 
-        Called at every epoch end by ``OptimizedModel.fit`` when ``window`` is ``None``; a window
+        Called at every epoch end by `OptimizedModel.fit` when `window` is `None`; a window
         without any applied update is left open.
         """
         count = int(self.count.numpy())

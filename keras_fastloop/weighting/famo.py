@@ -15,13 +15,13 @@ _EPS = 1e-8
 
 @keras.saving.register_keras_serializable(package=_PACKAGE)
 class FAMO(LossWeighting):
-    """Fast Adaptive Multitask Optimization: balance the tasks' log-loss decrease (``famo``).
+    """Fast Adaptive Multitask Optimization: balance the tasks' log-loss decrease (`famo`).
 
-    Algorithm. Logits ``xi`` (init 0), ``z = softmax(xi)``, ``D_i = L_i - min_loss + 1e-8``
-    (``min_loss = 0``). The step minimises ``sum_i z_i log(D_i) / c`` with
-    ``c = sum_j z_j / D_j`` held constant, whose gradient is ``sum_i w_i grad L_i`` with the
-    effective weights ``w_i = z_i / (c D_i)`` (they sum to 1; they are the logged
-    ``{task}_weight``). After an update, FAMO moves ``xi`` along the decrease of the log-losses::
+    Algorithm. Logits `xi` (init 0), `z = softmax(xi)`, `D_i = L_i - min_loss + 1e-8`
+    (`min_loss = 0`). The step minimises `sum_i z_i log(D_i) / c` with
+    `c = sum_j z_j / D_j` held constant, whose gradient is `sum_i w_i grad L_i` with the
+    effective weights `w_i = z_i / (c D_i)` (they sum to 1; they are the logged
+    `{task}_weight`). After an update, FAMO moves `xi` along the decrease of the log-losses::
 
         delta_i = log D_i(before) - log D_i(after)
         g       = J_softmax(xi)^T delta = z * (delta - <z, delta>) + gamma * xi
@@ -29,14 +29,14 @@ class FAMO(LossWeighting):
 
     "After" is taken from the next step's losses (a new batch) rather than a second forward pass
     on the same batch, as in LibMTL's training loop: no extra compute, one step of lag. The logged
-    ``loss`` is FAMO's log-objective. The Adam state, logits and previous losses live in
-    checkpointed variables. Under ``tf.distribute`` the objective and the update use the global
-    batch's losses (every replica keeps the same state; see ``_utils.update_losses``), so 1 and
-    ``R`` replicas train alike.
+    `loss` is FAMO's log-objective. The Adam state, logits and previous losses live in
+    checkpointed variables. Under `tf.distribute` the objective and the update use the global
+    batch's losses (every replica keeps the same state; see `_utils.update_losses`), so 1 and
+    `R` replicas train alike.
 
     Args:
-        w_lr: positive float, default ``0.025``: Adam learning rate of the logits.
-        gamma: non-negative float, default ``1e-3`` (LibMTL; the paper's code uses ``1e-5``):
+        w_lr: positive float, default `0.025`: Adam learning rate of the logits.
+        gamma: non-negative float, default `1e-3` (LibMTL; the paper's code uses `1e-5`):
             weight decay of the logits.
 
     Example:

@@ -1,53 +1,53 @@
 """Gradient-based multi-task methods: GradNorm, PCGrad, CAGrad, MGDA, IMTL, Nash-MTL,
 Aligned-MTL and UPGrad.
 
-All of them act on the gradients of the *shared* variables and reduce to weights ``beta`` on the
-task gradients: the shared variables get ``sum_i beta_i g_i`` and ``beta`` is a function of
-the tasks' Gram matrix ``M_ij = <g_i, g_j>`` (plus the losses and the method's state). PCGrad's
+All of them act on the gradients of the *shared* variables and reduce to weights `beta` on the
+task gradients: the shared variables get `sum_i beta_i g_i` and `beta` is a function of
+the tasks' Gram matrix `M_ij = <g_i, g_j>` (plus the losses and the method's state). PCGrad's
 sequential projections, for instance, only ever subtract multiples of original task gradients,
 so they are tracked as coefficients in Gram space; UPGrad's projections onto the dual cone and
 Aligned-MTL's singular-value alignment are likewise linear maps of the task gradients whose
-coefficients follow from ``M`` alone. The step therefore never materialises a concatenated
-gradient vector: ``M`` is summed variable by variable and the update is one weighted sum per
+coefficients follow from `M` alone. The step therefore never materialises a concatenated
+gradient vector: `M` is summed variable by variable and the update is one weighted sum per
 variable.
 
-Cost. :meth:`GradientWeighting.gradients` runs one backward pass per task
-(``tape.gradient(L_i, variables)``). That pass has to go through task ``i``'s head to reach the
+Cost. `GradientWeighting.gradients` runs one backward pass per task
+(`tape.gradient(L_i, variables)`). That pass has to go through task `i`'s head to reach the
 shared trunk anyway, so it also yields the head's own gradient for the price of the head's
 weight-gradient products; heads are then weighted directly and no extra pass over the heads is
 needed (cheaper than per-task passes over the shared variables followed by a separate combined
-pass). Regularization losses get their own (cheap) pass through the step's ``objective``, which
-for these methods carries no task-loss gradient. Solvers run on ``T x T`` matrices.
+pass). Regularization losses get their own (cheap) pass through the step's `objective`, which
+for these methods carries no task-loss gradient. Solvers run on `T x T` matrices.
 
 Shared variables. By default, inferred at trace time: a trainable variable is shared when at
-least two task losses reach it (``tape.gradient`` with ``UnconnectedGradients.NONE`` returns
-``None`` for the others; this is structural, no extra work at run time). ``compile(
-shared_variables=[...])`` (variables or layers) overrides the inference; only those enter the
+least two task losses reach it (`tape.gradient` with `UnconnectedGradients.NONE` returns
+`None` for the others; this is structural, no extra work at run time). `compile(
+shared_variables=[...])` (variables or layers) overrides the inference; only those enter the
 Gram matrix, every other variable gets the heads' weighting.
 
-Loss scale. Per-task gradients are taken with ``output_gradients=s`` where ``s =
-scale_loss(1.0)`` is the optimizer's current loss scale (``LossScaleOptimizer`` under
-``mixed_float16``; 1 otherwise), i.e. they are exactly the gradients of ``scale_loss(L_i)`` and
-fp16 backward passes are protected as usual. The Gram matrix is computed from ``g_i / s`` (the
+Loss scale. Per-task gradients are taken with `output_gradients=s` where `s =
+scale_loss(1.0)` is the optimizer's current loss scale (`LossScaleOptimizer` under
+`mixed_float16`; 1 otherwise), i.e. they are exactly the gradients of `scale_loss(L_i)` and
+fp16 backward passes are protected as usual. The Gram matrix is computed from `g_i / s` (the
 solvers see true gradients; GradNorm's update is not scale-invariant), while the returned
-gradients are ``sum_i beta_i g_i`` of the *scaled* ones, so the step's single unscale, finite
-check and clipping apply unchanged. An overflowing task gradient makes ``beta`` non-finite and
-the step skips the update; stateful methods commit state only in ``update`` (applied steps).
+gradients are `sum_i beta_i g_i` of the *scaled* ones, so the step's single unscale, finite
+check and clipping apply unchanged. An overflowing task gradient makes `beta` non-finite and
+the step skips the update; stateful methods commit state only in `update` (applied steps).
 
 Distribution. Per-task shared gradients are summed across replicas before the Gram matrix, so
-every replica computes the same ``beta`` from the global batch; the weighted local gradients
+every replica computes the same `beta` from the global batch; the weighted local gradients
 are then summed by the step as usual.
 
 Heads and logs. Task-specific variables get the plain task gradient (weight 1) for PCGrad,
 CAGrad, MGDA, IMTL-G, Nash-MTL, Aligned-MTL and UPGrad: their weights resolve conflicts on
 shared parameters, and scaling a head's gradient would only change its learning rate. This is
 what LibMTL does for all of them except Nash-MTL, whose reference code back-propagates
-``sum_i alpha_i L_i`` and so scales the heads by ``alpha`` too (see ``docs/weighting.md``).
-GradNorm gives the heads its loss weights ``w`` (the paper's objective ``sum_i w_i L_i``;
-LibMTL leaves them at 1) and IMTL the gradients of its scaled losses, ``e^{s_i} g_i``. The
-logged ``{task}_weight`` is ``beta`` (the effective weight of each task's shared gradient this
-step; e.g. MGDA's alphas) and the logged ``loss`` is ``sum_i head_weight_i L_i`` +
-regularization (plus IMTL's ``-s_i`` terms).
+`sum_i alpha_i L_i` and so scales the heads by `alpha` too (see `docs/weighting.md`).
+GradNorm gives the heads its loss weights `w` (the paper's objective `sum_i w_i L_i`;
+LibMTL leaves them at 1) and IMTL the gradients of its scaled losses, `e^{s_i} g_i`. The
+logged `{task}_weight` is `beta` (the effective weight of each task's shared gradient this
+step; e.g. MGDA's alphas) and the logged `loss` is `sum_i head_weight_i L_i` +
+regularization (plus IMTL's `-s_i` terms).
 """
 
 from __future__ import annotations
@@ -85,12 +85,12 @@ def pcgrad_weights(gram, order):
     """PCGrad as coefficients on the original task gradients.
 
     Args:
-        gram: ``(T, T)`` float32 Gram matrix of the task gradients.
-        order: ``(T, T)`` int tensor; row ``i`` is the random order in which task ``i`` visits
+        gram: `(T, T)` float32 Gram matrix of the task gradients.
+        order: `(T, T)` int tensor; row `i` is the random order in which task `i` visits
             the tasks (its own index is skipped).
 
     Returns:
-        ``beta`` of shape ``(T,)`` with ``sum_i g_i^PC = sum_j beta_j g_j``.
+        `beta` of shape `(T,)` with `sum_i g_i^PC = sum_j beta_j g_j`.
     """
     t = gram.shape[0]
     eye = tf.eye(t, dtype=gram.dtype)
@@ -110,7 +110,7 @@ def pcgrad_weights(gram, order):
 
 
 def _min_norm_two(v1v1, v1v2, v2v2):
-    """``gamma`` minimising ``|gamma v1 + (1 - gamma) v2|^2`` over ``[0, 1]``."""
+    """`gamma` minimising `|gamma v1 + (1 - gamma) v2|^2` over `[0, 1]`."""
     denom = v1v1 + v2v2 - 2.0 * v1v2
     gamma = tf.where(denom > 0.0, (v2v2 - v1v2) / tf.where(denom > 0.0, denom, 1.0), 0.5)
     return tf.clip_by_value(gamma, 0.0, 1.0)
@@ -119,9 +119,9 @@ def _min_norm_two(v1v1, v1v2, v2v2):
 def mgda_weights(gram, max_iter=250, tolerance=1e-5):
     """Min-norm point of the convex hull of the task gradients (MGDA-UB solver).
 
-    Two tasks: the closed form ``alpha_1 = clip((M22 - M12) / (M11 + M22 - 2 M12), 0, 1)``.
-    More: Frank-Wolfe from the uniform point with exact line search, at most ``max_iter``
-    iterations, stopping when the L1 change of ``alpha`` is below ``tolerance``.
+    Two tasks: the closed form `alpha_1 = clip((M22 - M12) / (M11 + M22 - 2 M12), 0, 1)`.
+    More: Frank-Wolfe from the uniform point with exact line search, at most `max_iter`
+    iterations, stopping when the L1 change of `alpha` is below `tolerance`.
     """
     t = gram.shape[0]
     if t == 2:
@@ -149,13 +149,13 @@ def mgda_weights(gram, max_iter=250, tolerance=1e-5):
 def min_norm_weights(gram):
     """Exact min-norm point of the convex hull of the task gradients (active-set solver).
 
-    ``argmin_{alpha in simplex} alpha^T M alpha`` through the non-negative least-squares
-    problem ``z = argmin_{z >= 0} |G z|^2 + (1 - 1^T z)^2``, i.e. :func:`nonnegative_quadratic`
-    on ``M + 1 1^T`` with ``c = -1``: its optimality conditions, ``(M z)_i >= 1 - 1^T z`` with
-    equality where ``z_i > 0``, are the simplex problem's for ``alpha = z / 1^T z`` (Lawson &
+    `argmin_{alpha in simplex} alpha^T M alpha` through the non-negative least-squares
+    problem `z = argmin_{z >= 0} |G z|^2 + (1 - 1^T z)^2`, i.e. `nonnegative_quadratic`
+    on `M + 1 1^T` with `c = -1`: its optimality conditions, `(M z)_i >= 1 - 1^T z` with
+    equality where `z_i > 0`, are the simplex problem's for `alpha = z / 1^T z` (Lawson &
     Hanson's reduction of least-distance programming to NNLS). Exact up to float32 rounding
-    (``|alpha - alpha*| <~ 3e-6`` against a float64 enumeration of supports, up to 8 tasks).
-    Computed on ``M / mean(diag M)`` (``alpha`` is scale-free).
+    (`|alpha - alpha*| <~ 3e-6` against a float64 enumeration of supports, up to 8 tasks).
+    Computed on `M / mean(diag M)` (`alpha` is scale-free).
     """
     t = gram.shape[0]
     mean_diag = tf.reduce_mean(tf.linalg.diag_part(gram))
@@ -168,19 +168,19 @@ def min_norm_weights(gram):
 def cagrad_weights(gram, c=0.5, rescale=1, max_iter=100):
     """CAGrad's update as weights on the task gradients.
 
-    Solves ``min_{w in simplex} w^T M b + c |g0| sqrt(w^T M w + 1e-8)`` (``b = 1/T``,
-    ``|g0| = sqrt(mean(M))``) in-graph by accelerated projected gradient descent (FISTA with
-    restart on objective increase, step ``q / (c' lambda_max)`` from the local curvature, on
-    ``M / mean(diag M)``, whose argmin is the same) for ``max_iter`` iterations, keeping the best
+    Solves `min_{w in simplex} w^T M b + c |g0| sqrt(w^T M w + 1e-8)` (`b = 1/T`,
+    `|g0| = sqrt(mean(M))`) in-graph by accelerated projected gradient descent (FISTA with
+    restart on objective increase, step `q / (c' lambda_max)` from the local curvature, on
+    `M / mean(diag M)`, whose argmin is the same) for `max_iter` iterations, keeping the best
     iterate. Tolerance, measured against SciPy's SLSQP (LibMTL's solver, best of several starts)
     on 200 random problems with 2-4 tasks and gradient norms spread over three decades: the
-    resulting update ``d`` is within ``1.1e-5 * rms |g_i|`` at the default 100 iterations
-    (``1.2e-6`` at 200) in float64; the float32 solver in the step adds rounding of about
-    ``1e-4`` relative (tests check ``1e-3 * rms |g_i|`` against SciPy). Then ``d = g0 + (c |g0| / |g_w|) g_w``, divided by ``1 + c^2``
-    (``rescale=1``), ``1 + c`` (``2``) or not at all (``0``), as in LibMTL.
+    resulting update `d` is within `1.1e-5 * rms |g_i|` at the default 100 iterations
+    (`1.2e-6` at 200) in float64; the float32 solver in the step adds rounding of about
+    `1e-4` relative (tests check `1e-3 * rms |g_i|` against SciPy). Then `d = g0 + (c |g0| / |g_w|) g_w`, divided by `1 + c^2`
+    (`rescale=1`), `1 + c` (`2`) or not at all (`0`), as in LibMTL.
 
     Returns:
-        ``beta`` of shape ``(T,)`` with ``d = sum_i beta_i g_i``.
+        `beta` of shape `(T,)` with `d = sum_i beta_i g_i`.
     """
     t = gram.shape[0]
     b = tf.fill((t,), 1.0 / t)
@@ -226,10 +226,10 @@ def cagrad_weights(gram, c=0.5, rescale=1, max_iter=100):
 
 
 def imtl_weights(gram):
-    """IMTL-G: the aggregate ``sum_i alpha_i g_i`` has equal projections on every unit ``u_i``.
+    """IMTL-G: the aggregate `sum_i alpha_i g_i` has equal projections on every unit `u_i`.
 
-    With ``D = [g_1 - g_i]``, ``U = [u_1 - u_i]`` (``i = 2..T``):
-    ``alpha_{2..T} = g_1 U^T (D U^T)^+`` and ``alpha_1 = 1 - sum alpha_{2..T}`` (pseudo-inverse,
+    With `D = [g_1 - g_i]`, `U = [u_1 - u_i]` (`i = 2..T`):
+    `alpha_{2..T} = g_1 U^T (D U^T)^+` and `alpha_1 = 1 - sum alpha_{2..T}` (pseudo-inverse,
     so aligned tasks give a finite answer), computed from Gram entries only.
     """
     t = gram.shape[0]
@@ -246,10 +246,10 @@ def imtl_weights(gram):
 def gradnorm_update(weights, norms, losses, initial_losses, alpha, learning_rate):
     """One GradNorm step on the loss weights.
 
-    ``G_i = w_i |g_i|``, ``r_i = (L_i / L_i(0)) / mean_j (L_j / L_j(0))``, target
-    ``Gbar r_i^alpha`` (held constant), ``L_grad = sum_i |G_i - target_i|``; then
-    ``w <- w - learning_rate * sign(G - target) * |g|``, clipped at ``1e-6`` and renormalised to
-    sum to ``T``.
+    `G_i = w_i |g_i|`, `r_i = (L_i / L_i(0)) / mean_j (L_j / L_j(0))`, target
+    `Gbar r_i^alpha` (held constant), `L_grad = sum_i |G_i - target_i|`; then
+    `w <- w - learning_rate * sign(G - target) * |g|`, clipped at `1e-6` and renormalised to
+    sum to `T`.
     """
     t = weights.shape[0]
     g = weights * norms
@@ -262,27 +262,27 @@ def gradnorm_update(weights, norms, losses, initial_losses, alpha, learning_rate
 
 
 def nash_mtl_weights(gram, max_iter=20, tolerance=1e-10):
-    """Nash-MTL's bargaining weights: ``alpha > 0`` with ``M_n alpha = 1 / alpha``.
+    """Nash-MTL's bargaining weights: `alpha > 0` with `M_n alpha = 1 / alpha`.
 
-    ``M_n = M / |M|_F`` (the Gram matrix normalised by its Frobenius norm, as the authors' code
-    does, so that the update ``sum_i alpha_i g_i`` scales like a gradient: its norm is
-    ``sqrt(T |M|_F)``; the un-normalised equation gives norm ``sqrt(T)`` whatever the
+    `M_n = M / |M|_F` (the Gram matrix normalised by its Frobenius norm, as the authors' code
+    does, so that the update `sum_i alpha_i g_i` scales like a gradient: its norm is
+    `sqrt(T |M|_F)`; the un-normalised equation gives norm `sqrt(T)` whatever the
     gradients). The equation is the stationarity condition of the strictly convex
-    ``F(alpha) = alpha^T M_n alpha / 2 - sum_i log alpha_i`` on ``alpha > 0``, so its solution
-    is ``F``'s unique minimiser. It is found by damped Newton steps (``alpha += delta / (1 +
-    lambda)`` while the Newton decrement ``lambda >= 1/4``, full steps after; every iterate stays
-    positive) from ``alpha_i = c / sqrt(M_n,ii)`` with the best scalar ``c`` (exact for
-    orthogonal gradients), stopping when ``lambda^2 < tolerance`` or after ``max_iter`` steps.
+    `F(alpha) = alpha^T M_n alpha / 2 - sum_i log alpha_i` on `alpha > 0`, so its solution
+    is `F`'s unique minimiser. It is found by damped Newton steps (`alpha += delta / (1 +
+    lambda)` while the Newton decrement `lambda >= 1/4`, full steps after; every iterate stays
+    positive) from `alpha_i = c / sqrt(M_n,ii)` with the best scalar `c` (exact for
+    orthogonal gradients), stopping when `lambda^2 < tolerance` or after `max_iter` steps.
     When a convex combination of the gradients is zero (a Pareto-stationary point) no solution
     exists; the iterates then grow along that combination, which leaves the update bounded.
 
     Args:
-        gram: ``(T, T)`` float32 Gram matrix.
+        gram: `(T, T)` float32 Gram matrix.
         max_iter: Newton steps at most (default 20).
-        tolerance: stop when the squared Newton decrement is below (default ``1e-10``).
+        tolerance: stop when the squared Newton decrement is below (default `1e-10`).
 
     Returns:
-        ``alpha`` of shape ``(T,)`` (ones when every gradient is zero).
+        `alpha` of shape `(T,)` (ones when every gradient is zero).
     """
     t = gram.shape[0]
     frobenius = tf.sqrt(tf.reduce_sum(tf.square(gram)))
@@ -312,18 +312,18 @@ def nash_mtl_weights(gram, max_iter=20, tolerance=1e-10):
 def aligned_mtl_weights(gram):
     """Aligned-MTL: the task gradients' matrix with all singular values set to the smallest.
 
-    With ``G = [g_1 .. g_T] = U S V^T`` (thin SVD over the ``r`` non-negligible singular
-    values; ``M = V S^2 V^T``), the aligned matrix is ``sigma_min U V^T = G V (sigma_min /
-    S) V^T`` and the update is its column sum, so ``beta = V diag(sigma_min / S) V^T 1``.
-    Eigenvalues of ``M`` at or below ``max(eig) * T * eps_float32`` are dropped (the rank
-    cut), as in the authors' and LibMTL's code. Computed from ``M / trace(M)`` (``beta`` is
+    With `G = [g_1 .. g_T] = U S V^T` (thin SVD over the `r` non-negligible singular
+    values; `M = V S^2 V^T`), the aligned matrix is `sigma_min U V^T = G V (sigma_min /
+    S) V^T` and the update is its column sum, so `beta = V diag(sigma_min / S) V^T 1`.
+    Eigenvalues of `M` at or below `max(eig) * T * eps_float32` are dropped (the rank
+    cut), as in the authors' and LibMTL's code. Computed from `M / trace(M)` (`beta` is
     scale-free). Zeros when every gradient is zero.
 
     Args:
-        gram: ``(T, T)`` float32 Gram matrix.
+        gram: `(T, T)` float32 Gram matrix.
 
     Returns:
-        ``beta`` of shape ``(T,)``.
+        `beta` of shape `(T,)`.
     """
     t = gram.shape[0]
     trace = tf.linalg.trace(gram)
@@ -338,19 +338,19 @@ def aligned_mtl_weights(gram):
 
 
 def nonnegative_quadratic(m, c, max_iter=None, tolerance=1e-6):
-    """``argmin_{z >= 0} z^T M z / 2 + c^T z`` (Lawson & Hanson's active-set method, Gram form).
+    """`argmin_{z >= 0} z^T M z / 2 + c^T z` (Lawson & Hanson's active-set method, Gram form).
 
     Exact (up to float rounding) once the right free set is found; every outer iteration frees
     the coordinate with the largest descent, the inner loop keeps the iterate feasible.
 
     Args:
-        m: ``(T, T)`` symmetric positive (semi-)definite matrix.
-        c: ``(T,)`` linear term.
-        max_iter: outer iterations at most (default ``3 T``).
+        m: `(T, T)` symmetric positive (semi-)definite matrix.
+        c: `(T,)` linear term.
+        max_iter: outer iterations at most (default `3 T`).
         tolerance: a coordinate is freed while its negative gradient exceeds this.
 
     Returns:
-        ``z`` of shape ``(T,)``.
+        `z` of shape `(T,)`.
     """
     t = m.shape[0]
     max_iter = 3 * t if max_iter is None else max_iter
@@ -406,21 +406,21 @@ def nonnegative_quadratic(m, c, max_iter=None, tolerance=1e-6):
 def upgrad_weights(gram, norm_eps=1e-4, reg_eps=1e-4):
     """UPGrad: the mean of each task gradient projected onto the dual cone of all of them.
 
-    The dual cone is ``{x : <g_j, x> >= 0 for all j}``. By Quinton & Rey's Proposition 1 the
-    projection of ``sum_j u_j g_j`` is ``sum_j v_j g_j`` with ``v = argmin_{v >= u} v^T M v``;
-    UPGrad averages the projections of ``g_1 .. g_T`` (``u = e_i / T``), so ``beta = (1/T)
-    sum_i v^(i)``. As in ``torchjd``, ``M`` is first divided by its trace (set to zero when the
-    trace is below ``norm_eps``) and ``reg_eps * I`` is added; each quadratic program is solved
-    exactly by :func:`nonnegative_quadratic` (``v = e_i + z``). Without conflicts
-    (``M_ij >= 0``) every projection is the gradient itself and ``beta = 1/T``.
+    The dual cone is `{x : <g_j, x> >= 0 for all j}`. By Quinton & Rey's Proposition 1 the
+    projection of `sum_j u_j g_j` is `sum_j v_j g_j` with `v = argmin_{v >= u} v^T M v`;
+    UPGrad averages the projections of `g_1 .. g_T` (`u = e_i / T`), so `beta = (1/T)
+    sum_i v^(i)`. As in `torchjd`, `M` is first divided by its trace (set to zero when the
+    trace is below `norm_eps`) and `reg_eps * I` is added; each quadratic program is solved
+    exactly by `nonnegative_quadratic` (`v = e_i + z`). Without conflicts
+    (`M_ij >= 0`) every projection is the gradient itself and `beta = 1/T`.
 
     Args:
-        gram: ``(T, T)`` float32 Gram matrix.
-        norm_eps: non-negative float, default ``1e-4``.
-        reg_eps: non-negative float, default ``1e-4``.
+        gram: `(T, T)` float32 Gram matrix.
+        norm_eps: non-negative float, default `1e-4`.
+        reg_eps: non-negative float, default `1e-4`.
 
     Returns:
-        ``beta`` of shape ``(T,)``.
+        `beta` of shape `(T,)`.
     """
     t = gram.shape[0]
     trace = tf.linalg.trace(gram)
@@ -471,9 +471,9 @@ def _resolve_shared(model, shared):
 
 
 class GradientWeighting(LossWeighting):
-    """Base of gradient-based methods: per-task gradients, Gram matrix, weights ``beta``.
+    """Base of gradient-based methods: per-task gradients, Gram matrix, weights `beta`.
 
-    Subclasses implement :meth:`task_weights` and optionally :meth:`head_weights`.
+    Subclasses implement `task_weights` and optionally `head_weights`.
     """
 
     requires_task_gradients = True
@@ -492,7 +492,7 @@ class GradientWeighting(LossWeighting):
         return ops.stop_gradient(value), self.read_weights()
 
     def task_weights(self, gram, losses):
-        """``beta`` (shape ``(T,)``) from the Gram matrix and the global losses."""
+        """`beta` (shape `(T,)`) from the Gram matrix and the global losses."""
         raise NotImplementedError
 
     def _shared_indices(self, per_task, variables):
@@ -567,8 +567,8 @@ class GradientWeighting(LossWeighting):
 class GradNorm(GradientWeighting):
     """Gradient normalization: learn loss weights that equalise the tasks' training rates.
 
-    Algorithm (Chen et al.'s Eqs. 1-2 and Algorithm 1), every step with loss weights ``w``
-    (sum ``T``, start at 1), shared-gradient norms ``|g_i|`` and losses ``L_i`` (``L_i(0)``
+    Algorithm (Chen et al.'s Eqs. 1-2 and Algorithm 1), every step with loss weights `w`
+    (sum `T`, start at 1), shared-gradient norms `|g_i|` and losses `L_i` (`L_i(0)`
     recorded at the first applied step)::
 
         G_i = w_i |g_i|,  r_i = (L_i / L_i(0)) / mean_j (L_j / L_j(0))
@@ -576,23 +576,23 @@ class GradNorm(GradientWeighting):
         dL_grad/dw_i = sign(G_i - target_i) |g_i|
         w <- renormalise_T(max(w - learning_rate * dL_grad/dw, 1e-6))
 
-    i.e. one plain gradient step on ``L_grad`` with respect to ``w`` (the paper leaves that
-    optimizer open), the floor keeping ``w`` positive, then the paper's renormalisation to sum
-    ``T``. The update uses this step's ``w``; the new ``w`` is committed after the update is
+    i.e. one plain gradient step on `L_grad` with respect to `w` (the paper leaves that
+    optimizer open), the floor keeping `w` positive, then the paper's renormalisation to sum
+    `T`. The update uses this step's `w`; the new `w` is committed after the update is
     applied (skipped steps leave it unchanged). Every variable, shared or not, gets
-    ``sum_i w_i g_i`` (the paper's objective ``sum_i w_i L_i`` back-propagated to the whole
+    `sum_i w_i g_i` (the paper's objective `sum_i w_i L_i` back-propagated to the whole
     network). The norms are taken over all shared variables (LibMTL); the paper uses the last
-    shared layer only, which ``compile(shared_variables=[that_layer])`` reproduces. Assigning
-    ``weights`` mid-``fit`` sets the next step's weights.
+    shared layer only, which `compile(shared_variables=[that_layer])` reproduces. Assigning
+    `weights` mid-`fit` sets the next step's weights.
 
-    LibMTL differs: its weights are ``T * softmax(logits)`` with the logits trained on
-    ``L_grad`` by the network's own optimizer (learning rate included), it trains the first
-    epoch with equal weights and takes ``L_i(0)`` as that epoch's mean loss, and its heads get
-    the plain task gradient (weight 1). See ``docs/weighting.md``.
+    LibMTL differs: its weights are `T * softmax(logits)` with the logits trained on
+    `L_grad` by the network's own optimizer (learning rate included), it trains the first
+    epoch with equal weights and takes `L_i(0)` as that epoch's mean loss, and its heads get
+    the plain task gradient (weight 1). See `docs/weighting.md`.
 
     Args:
-        alpha: non-negative float, default ``1.5``: strength of the restoring force.
-        learning_rate: positive float, default ``0.025``: step size of the weight update.
+        alpha: non-negative float, default `1.5`: strength of the restoring force.
+        learning_rate: positive float, default `0.025`: step size of the weight update.
 
     Example:
         >>> model.compile("adam", losses, loss_weighting=GradNorm(alpha=1.5))
@@ -644,15 +644,15 @@ class GradNorm(GradientWeighting):
 class PCGrad(GradientWeighting):
     """Projecting conflicting gradients ("gradient surgery").
 
-    Algorithm: for every task ``i``, ``g_i^PC = g_i``; for every other task ``j`` in a random
-    order, if ``<g_i^PC, g_j> < 0``: ``g_i^PC -= <g_i^PC, g_j> / |g_j|^2 g_j``. The shared
-    variables get ``sum_i g_i^PC``, computed exactly as ``sum_j beta_j g_j`` (the logged weights;
+    Algorithm: for every task `i`, `g_i^PC = g_i`; for every other task `j` in a random
+    order, if `<g_i^PC, g_j> < 0`: `g_i^PC -= <g_i^PC, g_j> / |g_j|^2 g_j`. The shared
+    variables get `sum_i g_i^PC`, computed exactly as `sum_j beta_j g_j` (the logged weights;
     1 each without conflicts). The order comes from a stateless generator keyed by
-    ``(seed, step)`` with ``step`` a checkpointed counter of applied updates.
+    `(seed, step)` with `step` a checkpointed counter of applied updates.
 
     Args:
-        seed: int or ``None`` (default: drawn from Python's ``random``, which
-            ``keras.utils.set_random_seed`` seeds). Stored in the config.
+        seed: int or `None` (default: drawn from Python's `random`, which
+            `keras.utils.set_random_seed` seeds). Stored in the config.
 
     Example:
         >>> model.compile("adam", losses, loss_weighting=PCGrad(seed=0))
@@ -689,17 +689,17 @@ class PCGrad(GradientWeighting):
 class CAGrad(GradientWeighting):
     """Conflict-averse gradient descent.
 
-    Algorithm: with ``g0`` the average task gradient, find the update ``d`` that maximises the
-    worst task's improvement ``min_i <g_i, d>`` within ``|d - g0| <= c |g0|``. Its dual is
-    ``min_{w in simplex} <g_w, g0> + c |g0| |g_w|`` (``g_w = sum_i w_i g_i``), solved in-graph
-    by projected gradient descent (see :func:`cagrad_weights` for the tolerance), then
-    ``d = (g0 + c |g0| / |g_w| g_w) / (1 + c^2)`` (LibMTL's default rescaling).
+    Algorithm: with `g0` the average task gradient, find the update `d` that maximises the
+    worst task's improvement `min_i <g_i, d>` within `|d - g0| <= c |g0|`. Its dual is
+    `min_{w in simplex} <g_w, g0> + c |g0| |g_w|` (`g_w = sum_i w_i g_i`), solved in-graph
+    by projected gradient descent (see `cagrad_weights` for the tolerance), then
+    `d = (g0 + c |g0| / |g_w| g_w) / (1 + c^2)` (LibMTL's default rescaling).
 
     Args:
-        c: non-negative float, default ``0.5``: radius of the ball around ``g0`` (``0`` = ``ew``
-            on the shared parameters, scaled by ``1/T``).
-        rescale: int in ``{0, 1, 2}``, default ``1``: divide ``d`` by 1, ``1 + c^2`` or ``1 + c``.
-        max_iter: positive int, default ``100``: solver iterations.
+        c: non-negative float, default `0.5`: radius of the ball around `g0` (`0` = `ew`
+            on the shared parameters, scaled by `1/T`).
+        rescale: int in `{0, 1, 2}`, default `1`: divide `d` by 1, `1 + c^2` or `1 + c`.
+        max_iter: positive int, default `100`: solver iterations.
 
     Example:
         >>> model.compile("adam", losses, loss_weighting=CAGrad(c=0.5))
@@ -734,20 +734,20 @@ _MGDA_SOLVERS = ("active_set", "frank_wolfe")
 class MGDA(GradientWeighting):
     """Multiple-gradient descent: the min-norm convex combination of the task gradients.
 
-    Algorithm: ``alpha = argmin_{alpha in simplex} |sum_i alpha_i g_i / n_i|^2`` with the
-    normaliser ``n_i`` of ``gradient_normalization``; closed form for two tasks, otherwise the
-    exact active-set solver (:func:`min_norm_weights`, default) or Sener & Koltun's
+    Algorithm: `alpha = argmin_{alpha in simplex} |sum_i alpha_i g_i / n_i|^2` with the
+    normaliser `n_i` of `gradient_normalization`; closed form for two tasks, otherwise the
+    exact active-set solver (`min_norm_weights`, default) or Sener & Koltun's
     Frank-Wolfe iteration (their Algorithm 2, exact line search, as LibMTL; it stops when
-    ``sum |delta alpha| < tolerance``, which can leave ``alpha`` a few 1e-2 from the optimum).
-    The shared variables get ``sum_i (alpha_i / n_i) g_i``; the logged weights are
-    ``alpha_i / n_i`` (= ``alpha`` with the default ``"none"``).
+    `sum |delta alpha| < tolerance`, which can leave `alpha` a few 1e-2 from the optimum).
+    The shared variables get `sum_i (alpha_i / n_i) g_i`; the logged weights are
+    `alpha_i / n_i` (= `alpha` with the default `"none"`).
 
     Args:
-        gradient_normalization: one of ``"none"`` (default, LibMTL), ``"l2"`` (``|g_i|``),
-            ``"loss"`` (``L_i``), ``"loss+"`` (``L_i |g_i|``).
-        solver: ``"active_set"`` (default, exact) or ``"frank_wolfe"`` (``T > 2``).
-        max_iter: positive int, default ``250``: Frank-Wolfe iterations.
-        tolerance: positive float, default ``1e-5``: Frank-Wolfe's stopping threshold.
+        gradient_normalization: one of `"none"` (default, LibMTL), `"l2"` (`|g_i|`),
+            `"loss"` (`L_i`), `"loss+"` (`L_i |g_i|`).
+        solver: `"active_set"` (default, exact) or `"frank_wolfe"` (`T > 2`).
+        max_iter: positive int, default `250`: Frank-Wolfe iterations.
+        tolerance: positive float, default `1e-5`: Frank-Wolfe's stopping threshold.
 
     Example:
         >>> model.compile("adam", losses, loss_weighting="mgda")
@@ -805,15 +805,15 @@ class MGDA(GradientWeighting):
 
 @keras.saving.register_keras_serializable(package=_PACKAGE)
 class IMTLG(GradientWeighting):
-    """Impartial multi-task learning, gradient part only (IMTL-G, ``imtl_g``).
+    """Impartial multi-task learning, gradient part only (IMTL-G, `imtl_g`).
 
-    Algorithm: find ``alpha`` (summing to 1) such that the aggregate ``g = sum_i alpha_i g_i``
-    has the same projection on every task's unit gradient ``u_i = g_i / |g_i|``; closed form
-    ``alpha_{2..T} = g_1 U^T (D U^T)^{-1}``, ``alpha_1 = 1 - sum alpha_{2..T}`` with
-    ``D = [g_1 - g_i]``, ``U = [u_1 - u_i]`` (see :func:`imtl_weights`; a pseudo-inverse, so
-    aligned tasks give a finite answer). The logged weights are ``alpha``; heads get weight 1.
-    The full method of the paper, with IMTL-L's learned loss scales, is ``imtl``
-    (:class:`IMTL`).
+    Algorithm: find `alpha` (summing to 1) such that the aggregate `g = sum_i alpha_i g_i`
+    has the same projection on every task's unit gradient `u_i = g_i / |g_i|`; closed form
+    `alpha_{2..T} = g_1 U^T (D U^T)^{-1}`, `alpha_1 = 1 - sum alpha_{2..T}` with
+    `D = [g_1 - g_i]`, `U = [u_1 - u_i]` (see `imtl_weights`; a pseudo-inverse, so
+    aligned tasks give a finite answer). The logged weights are `alpha`; heads get weight 1.
+    The full method of the paper, with IMTL-L's learned loss scales, is `imtl`
+    (`IMTL`).
 
     Example:
         >>> model.compile("adam", losses, loss_weighting="imtl_g")
@@ -831,22 +831,22 @@ class IMTLG(GradientWeighting):
 
 @keras.saving.register_keras_serializable(package=_PACKAGE)
 class IMTL(GradientWeighting):
-    """Impartial multi-task learning, the hybrid of the paper (IMTL-L + IMTL-G, ``imtl``).
+    """Impartial multi-task learning, the hybrid of the paper (IMTL-L + IMTL-G, `imtl`).
 
-    Algorithm, with one trainable loss scale ``s_i`` per task (start 0):
+    Algorithm, with one trainable loss scale `s_i` per task (start 0):
 
-    - IMTL-L: every task's loss becomes ``e^{s_i} L_i - s_i``. The ``s_i`` are trained by the
-      model's optimizer on the gradient of that scaled loss, ``e^{s_i} L_i - 1`` (its minimum
-      over ``s_i`` is at ``e^{s_i} = 1 / L_i``: every scaled loss is pushed towards 1).
-    - IMTL-G on the scaled losses' gradients ``e^{s_i} g_i``: ``alpha`` summing to 1 with
-      equal projections of ``sum_i alpha_i e^{s_i} g_i`` on every unit gradient
-      (:func:`imtl_weights` on ``diag(e^s) M diag(e^s)``).
+    - IMTL-L: every task's loss becomes `e^{s_i} L_i - s_i`. The `s_i` are trained by the
+      model's optimizer on the gradient of that scaled loss, `e^{s_i} L_i - 1` (its minimum
+      over `s_i` is at `e^{s_i} = 1 / L_i`: every scaled loss is pushed towards 1).
+    - IMTL-G on the scaled losses' gradients `e^{s_i} g_i`: `alpha` summing to 1 with
+      equal projections of `sum_i alpha_i e^{s_i} g_i` on every unit gradient
+      (`imtl_weights` on `diag(e^s) M diag(e^s)`).
 
-    The shared variables get ``sum_i alpha_i e^{s_i} g_i`` (logged ``{task}_weight`` =
-    ``alpha_i e^{s_i}``, the weight of the raw gradient ``g_i``); task-specific variables get
-    the scaled loss' gradient ``e^{s_i} g_i``. The ``s_i`` are created with
-    ``model.add_weight`` (name ``imtl_loss_scales``), saved with the model and trained with
-    its learning rate; the ``- s_i`` term is divided by the number of replicas like any
+    The shared variables get `sum_i alpha_i e^{s_i} g_i` (logged `{task}_weight` =
+    `alpha_i e^{s_i}`, the weight of the raw gradient `g_i`); task-specific variables get
+    the scaled loss' gradient `e^{s_i} g_i`. The `s_i` are created with
+    `model.add_weight` (name `imtl_loss_scales`), saved with the model and trained with
+    its learning rate; the `- s_i` term is divided by the number of replicas like any
     regularization loss. The paper applies IMTL-G to the gradients with respect to the shared
     *representation*; here (as LibMTL's default) to the shared *parameters*.
 
@@ -855,7 +855,7 @@ class IMTL(GradientWeighting):
 
     Reference:
         Liu, Li, Kuang, Xue, Chen, Yang, Liao & Zhang, "Towards Impartial Multi-task Learning",
-        ICLR 2021 (Algorithm 1, IMTL); LibMTL's ``IMTL``.
+        ICLR 2021 (Algorithm 1, IMTL); LibMTL's `IMTL`.
     """
 
     name = "imtl"
@@ -891,21 +891,21 @@ class IMTL(GradientWeighting):
 
 @keras.saving.register_keras_serializable(package=_PACKAGE)
 class NashMTL(GradientWeighting):
-    """Nash-MTL: the Nash bargaining solution between tasks (``nash_mtl``).
+    """Nash-MTL: the Nash bargaining solution between tasks (`nash_mtl`).
 
-    Algorithm: the update is ``sum_i alpha_i g_i`` with ``alpha > 0`` solving
-    ``(G^T G) alpha = 1 / alpha`` (element-wise), i.e. every task's directional improvement
-    ``<g_i, d>`` equals ``1 / alpha_i`` (proportional fairness). ``G^T G`` is the Gram matrix
+    Algorithm: the update is `sum_i alpha_i g_i` with `alpha > 0` solving
+    `(G^T G) alpha = 1 / alpha` (element-wise), i.e. every task's directional improvement
+    `<g_i, d>` equals `1 / alpha_i` (proportional fairness). `G^T G` is the Gram matrix
     normalised by its Frobenius norm, as in the authors' code (the update then scales like a
-    gradient; see :func:`nash_mtl_weights`). Solved exactly in-graph by damped Newton
+    gradient; see `nash_mtl_weights`). Solved exactly in-graph by damped Newton
     iterations on the convex potential whose stationarity condition the equation is (the paper
     approximates it by a sequence of convex programs with a CVXPY solver, at most 20 of them
-    by default). Heads get weight 1 (the reference code gives them ``alpha_i``); the reference's
+    by default). Heads get weight 1 (the reference code gives them `alpha_i`); the reference's
     default clipping of the shared gradient to norm 1 is not applied, use
-    ``compile(gradient_clipping=...)``.
+    `compile(gradient_clipping=...)`.
 
     Args:
-        max_iter: positive int, default ``20``: Newton steps at most.
+        max_iter: positive int, default `20`: Newton steps at most.
 
     Example:
         >>> model.compile("adam", losses, loss_weighting="nash_mtl")
@@ -930,14 +930,14 @@ class NashMTL(GradientWeighting):
 
 @keras.saving.register_keras_serializable(package=_PACKAGE)
 class AlignedMTL(GradientWeighting):
-    """Aligned-MTL: align the principal components of the task gradients (``aligned_mtl``).
+    """Aligned-MTL: align the principal components of the task gradients (`aligned_mtl`).
 
-    Algorithm: with the task-gradient matrix ``G = U S V^T``, replace it by the aligned
-    ``sigma_min U V^T`` (every singular value set to the smallest non-negligible one, which
+    Algorithm: with the task-gradient matrix `G = U S V^T`, replace it by the aligned
+    `sigma_min U V^T` (every singular value set to the smallest non-negligible one, which
     makes the linear system's condition number 1) and update with its column sum (equal task
-    weights ``w = 1``), i.e. ``beta = sigma_min V S^{-1} V^T 1`` from the eigen-decomposition
-    of the Gram matrix (:func:`aligned_mtl_weights`). Orthogonal gradients of norms ``n_i`` get
-    ``beta_i = min(n) / n_i``. Heads get weight 1.
+    weights `w = 1`), i.e. `beta = sigma_min V S^{-1} V^T 1` from the eigen-decomposition
+    of the Gram matrix (`aligned_mtl_weights`). Orthogonal gradients of norms `n_i` get
+    `beta_i = min(n) / n_i`. Heads get weight 1.
 
     Example:
         >>> model.compile("adam", losses, loss_weighting="aligned_mtl")
@@ -955,26 +955,26 @@ class AlignedMTL(GradientWeighting):
 
 @keras.saving.register_keras_serializable(package=_PACKAGE)
 class UPGrad(GradientWeighting):
-    """UPGrad: unconflicting projection of gradients (``upgrad``, the ``torchjd`` aggregator).
+    """UPGrad: unconflicting projection of gradients (`upgrad`, the `torchjd` aggregator).
 
-    Algorithm: project every task gradient ``g_i`` onto the dual cone of all of them,
-    ``{x : <g_j, x> >= 0 for all j}`` (so the projection conflicts with no task), and update
+    Algorithm: project every task gradient `g_i` onto the dual cone of all of them,
+    `{x : <g_j, x> >= 0 for all j}` (so the projection conflicts with no task), and update
     with the mean of the projections. Each projection is a small quadratic program on the Gram
-    matrix, solved exactly in-graph (:func:`upgrad_weights`); without conflicts the update is
-    the mean gradient (``beta = 1/T``). Heads get weight 1.
+    matrix, solved exactly in-graph (`upgrad_weights`); without conflicts the update is
+    the mean gradient (`beta = 1/T`). Heads get weight 1.
 
     Args:
-        norm_eps: non-negative float, default ``1e-4``: a Gram matrix whose trace is below is
-            treated as zero (``torchjd``'s default).
-        reg_eps: non-negative float, default ``1e-4``: ``reg_eps * I`` is added to the
-            trace-normalised Gram matrix (``torchjd``'s default; ``0`` = the exact projection).
+        norm_eps: non-negative float, default `1e-4`: a Gram matrix whose trace is below is
+            treated as zero (`torchjd`'s default).
+        reg_eps: non-negative float, default `1e-4`: `reg_eps * I` is added to the
+            trace-normalised Gram matrix (`torchjd`'s default; `0` = the exact projection).
 
     Example:
         >>> model.compile("adam", losses, loss_weighting="upgrad")
 
     Reference:
         Quinton & Rey, "Jacobian Descent for Multi-Objective Optimization", arXiv:2406.16232,
-        2024 (UPGrad; the ``torchjd`` library's aggregator).
+        2024 (UPGrad; the `torchjd` library's aggregator).
     """
 
     name = "upgrad"

@@ -11,24 +11,24 @@ from keras_fastloop.weighting.base import _PACKAGE, LossWeighting
 
 @keras.saving.register_keras_serializable(package=_PACKAGE)
 class LossEMA(LossWeighting):
-    """Weights proportional to an exponential moving average of each task's loss (``loss_ema``).
+    """Weights proportional to an exponential moving average of each task's loss (`loss_ema`).
 
-    Algorithm, after every applied update with per-task losses ``L_i`` (under ``tf.distribute``:
+    Algorithm, after every applied update with per-task losses `L_i` (under `tf.distribute`:
     the first replica's, so every replica keeps the same state)::
 
         e_i <- L_i                                   on the first update
         e_i <- decay * e_i + (1 - decay) * L_i       afterwards
         w_i <- T * e_i / sum_j e_j
 
-    The next step minimises ``sum_i w_i L_i``: tasks whose loss stays high get more weight. The
-    weights are normalised to sum to the number of tasks ``T`` (not to 1) so that equal losses
-    give ``w_i = 1``, exactly ``ew``, and a learning rate tuned for ``ew`` carries over. The first
+    The next step minimises `sum_i w_i L_i`: tasks whose loss stays high get more weight. The
+    weights are normalised to sum to the number of tasks `T` (not to 1) so that equal losses
+    give `w_i = 1`, exactly `ew`, and a learning rate tuned for `ew` carries over. The first
     step uses equal weights. Everything runs inside the compiled step on variables (no
-    ``.numpy()``); assigning ``weights`` mid-``fit`` sets the next step's weights (the EMA then
+    `.numpy()`); assigning `weights` mid-`fit` sets the next step's weights (the EMA then
     takes over again after that step).
 
     Args:
-        decay: float in ``[0, 1)``, default ``0.9``. EMA decay; ``0`` uses the last loss only.
+        decay: float in `[0, 1)`, default `0.9`. EMA decay; `0` uses the last loss only.
 
     Example:
         >>> model.compile("adam", {"cls": "sparse_categorical_crossentropy",

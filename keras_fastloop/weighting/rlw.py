@@ -12,17 +12,17 @@ from keras_fastloop.weighting.base import _PACKAGE, LossWeighting
 
 @keras.saving.register_keras_serializable(package=_PACKAGE)
 class RLW(LossWeighting):
-    """Random Loss Weighting: fresh random weights every step (``rlw``).
+    """Random Loss Weighting: fresh random weights every step (`rlw`).
 
-    Algorithm, at every step ``t``: ``z ~ N(0, I_T)``, ``w = softmax(z)`` (weights sum to 1, as in
-    the paper and LibMTL), objective ``sum_i w_i L_i``. ``z`` comes from a stateless generator
-    keyed by ``(seed, t)``, where ``t`` counts applied updates in a checkpointed variable: runs are
+    Algorithm, at every step `t`: `z ~ N(0, I_T)`, `w = softmax(z)` (weights sum to 1, as in
+    the paper and LibMTL), objective `sum_i w_i L_i`. `z` comes from a stateless generator
+    keyed by `(seed, t)`, where `t` counts applied updates in a checkpointed variable: runs are
     reproducible, a restored checkpoint continues the same sequence, every replica draws the same
-    weights, and ``evaluate`` (which uses the current ``t``) does not advance the sequence.
+    weights, and `evaluate` (which uses the current `t`) does not advance the sequence.
 
     Args:
-        seed: int or ``None`` (default: drawn once from Python's ``random``, which
-            ``keras.utils.set_random_seed`` seeds). Stored in the config.
+        seed: int or `None` (default: drawn once from Python's `random`, which
+            `keras.utils.set_random_seed` seeds). Stored in the config.
 
     Example:
         >>> model.compile("adam", losses, loss_weighting=RLW(seed=0))
@@ -43,7 +43,7 @@ class RLW(LossWeighting):
         self.step = _utils.state_variable(state, "rlw_step", (), 0, "int64")
 
     def sample(self):
-        """The weights of the current step (a function of ``seed`` and the step counter)."""
+        """The weights of the current step (a function of `seed` and the step counter)."""
         z = tf.random.stateless_normal(
             (self.num_tasks,), seed=_utils.stateless_seed(self.seed, self.step)
         )

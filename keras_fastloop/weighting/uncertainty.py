@@ -13,7 +13,7 @@ from keras_fastloop.weighting.base import _PACKAGE, LossWeighting
 
 
 def _model_variable(model, name, shape, value):
-    """A trainable float32 variable of ``model`` (re-used when ``compile`` runs again)."""
+    """A trainable float32 variable of `model` (re-used when `compile` runs again)."""
     for variable in model.trainable_variables:
         if variable.name == name and tuple(variable.shape) == tuple(shape):
             return variable
@@ -29,42 +29,42 @@ def _model_variable(model, name, shape, value):
 
 @keras.saving.register_keras_serializable(package=_PACKAGE)
 class UncertaintyWeighting(LossWeighting):
-    """Homoscedastic uncertainty weighting with trainable log-variances (``uw``).
+    """Homoscedastic uncertainty weighting with trainable log-variances (`uw`).
 
-    Objective, with one trainable log-variance ``s_i = log sigma_i^2`` per task::
+    Objective, with one trainable log-variance `s_i = log sigma_i^2` per task::
 
         sum_i (exp(-s_i) * L_i + s_i) / 2          (halved=True, the default)
         sum_i  exp(-s_i) * L_i + s_i               (halved=False)
 
-    The default is Kendall et al.'s Eq. 7, ``L_i / (2 sigma_i^2) + log sigma_i``, written in
-    ``s_i`` (their "in practice we train ... the log variance"), and is used for every task,
+    The default is Kendall et al.'s Eq. 7, `L_i / (2 sigma_i^2) + log sigma_i`, written in
+    `s_i` (their "in practice we train ... the log variance"), and is used for every task,
     classification included, as in LibMTL (the paper's classification form, Eq. 10, drops the
-    1/2 on the loss term). ``halved=False`` is the same objective times 2 (the same optimum in
-    ``s`` and in the network's parameters): ``s = 0`` then gives weight 1 per task, ``ew``'s
+    1/2 on the loss term). `halved=False` is the same objective times 2 (the same optimum in
+    `s` and in the network's parameters): `s = 0` then gives weight 1 per task, `ew`'s
     objective at the start; with Adam-type optimizers the two train alike, with SGD the default
-    halves the effective learning rate. The optimum for a fixed loss is ``s_i = log L_i``, so
-    the weight tracks ``1 / L_i``.
+    halves the effective learning rate. The optimum for a fixed loss is `s_i = log L_i`, so
+    the weight tracks `1 / L_i`.
 
-    ``initial_log_variance`` defaults to ``0`` (``sigma = 1``; the paper fixes no initial
-    value). LibMTL starts at ``-0.5`` (weights ``e^0.5 / 2 = 0.82``):
-    ``UncertaintyWeighting(initial_log_variance=-0.5)`` reproduces it.
+    `initial_log_variance` defaults to `0` (`sigma = 1`; the paper fixes no initial
+    value). LibMTL starts at `-0.5` (weights `e^0.5 / 2 = 0.82`):
+    `UncertaintyWeighting(initial_log_variance=-0.5)` reproduces it.
 
-    The ``s_i`` are created with ``model.add_weight(..., trainable=True)`` (name
-    ``uw_log_variances``), so they are in ``model.trainable_variables`` and trained by the
+    The `s_i` are created with `model.add_weight(..., trainable=True)` (name
+    `uw_log_variances`), so they are in `model.trainable_variables` and trained by the
     model's optimizer (with its learning rate, clipping and loss scale), saved with the model and
-    restored by checkpoints. The ``s_i`` term is divided by the number of replicas like any
+    restored by checkpoints. The `s_i` term is divided by the number of replicas like any
     regularization loss, so the gradient summed across replicas is the global one. The logged
-    ``{task}_weight`` is the effective weight ``exp(-s_i) / 2`` (``exp(-s_i)`` when not halved)
-    of the step, before its update of ``s``. ``weights`` is computed from ``log_variances`` when
-    read (a tensor, not a variable): to change the weights mid-``fit`` assign
-    ``log_variances``.
+    `{task}_weight` is the effective weight `exp(-s_i) / 2` (`exp(-s_i)` when not halved)
+    of the step, before its update of `s`. `weights` is computed from `log_variances` when
+    read (a tensor, not a variable): to change the weights mid-`fit` assign
+    `log_variances`.
 
     Args:
-        initial_log_variance: finite float, default ``0.0``: the starting value of every ``s_i``.
-        halved: bool, default ``True``: the paper's ``1/2`` factor (see above).
+        initial_log_variance: finite float, default `0.0`: the starting value of every `s_i`.
+        halved: bool, default `True`: the paper's `1/2` factor (see above).
 
     Raises:
-        ValueError: a non-finite or non-numeric ``initial_log_variance``, a non-bool ``halved``.
+        ValueError: a non-finite or non-numeric `initial_log_variance`, a non-bool `halved`.
 
     Example:
         >>> model.compile("adam", {"cls": "sparse_categorical_crossentropy",
@@ -96,7 +96,7 @@ class UncertaintyWeighting(LossWeighting):
 
     @property
     def weights(self):
-        """``exp(-s) / 2`` (or ``exp(-s)``) from the current ``log_variances``; ``None`` unbuilt."""
+        """`exp(-s) / 2` (or `exp(-s)`) from the current `log_variances`; `None` unbuilt."""
         if self.log_variances is None:
             return None
         return self._factor * ops.exp(
@@ -105,7 +105,7 @@ class UncertaintyWeighting(LossWeighting):
 
     @weights.setter
     def weights(self, value):
-        # The base class creates a ``weights`` variable; UW derives its weights instead.
+        # The base class creates a `weights` variable; UW derives its weights instead.
         del value
 
     @property
