@@ -21,6 +21,8 @@ import keras
 import tensorflow as tf
 from keras import ops
 
+from keras_fastloop._step.state import state_variable
+
 _PACKAGE = "keras_fastloop"
 
 __all__ = [
@@ -283,22 +285,8 @@ class AutoClip(GradientClipping):
     def build(self, owner):
         if self.history is not None:
             return
-        self.history = owner.add_weight(
-            shape=(self.history_size,),
-            initializer="zeros",
-            dtype="float32",
-            trainable=False,
-            name="autoclip_history",
-            aggregation="only_first_replica",
-        )
-        self.count = owner.add_weight(
-            shape=(),
-            initializer="zeros",
-            dtype="int64",
-            trainable=False,
-            name="autoclip_count",
-            aggregation="only_first_replica",
-        )
+        self.history = state_variable(owner, "autoclip_history", (self.history_size,))
+        self.count = state_variable(owner, "autoclip_count", dtype="int64")
 
     @property
     def variables(self):

@@ -149,6 +149,15 @@ def test_optimized_model_is_not_based_on_a_callbacks_module():
         assert ".callbacks" not in base.__module__, base
 
 
+def reference_run(samples, validation_samples):
+    """Training and validation data and the uninterrupted 3-epoch run the resumed one must match."""
+    x, y = make_data(samples)
+    validation = make_data(validation_samples, seed=2)
+    reference = make_model()
+    reference.fit(dataset(x, y), epochs=3, verbose=0)
+    return (x, y), validation, reference
+
+
 # ------------------------------------------------------------------- 1. auto + mid-epoch resume
 
 
@@ -295,11 +304,8 @@ def test_keras_takes_an_extra_step_per_epoch_on_unknown_length():
 def test_backup_on_the_last_batch_resumes_at_the_next_epoch(tmp_path, spe):
     """8 batches per epoch, save_freq=8: the backup after step 8 resumes at epoch 1 (no empty
     replay of epoch 0, on_epoch_end once per epoch, validation steps [8, 16, 24])."""
-    x, y = make_data(32)
-    x_val, y_val = make_data(8, seed=2)
+    (x, y), (x_val, y_val), reference = reference_run(samples=32, validation_samples=8)
     backup_dir = str(tmp_path / "backup")
-    reference = make_model()
-    reference.fit(dataset(x, y), epochs=3, verbose=0)
 
     def callbacks(crash):
         validation = PeriodicValidation((x_val, y_val), every_n_epochs=1, backup_dir=backup_dir)
@@ -370,11 +376,8 @@ def test_pairwise_periodic_validation(spe):
 @pytest.mark.parametrize("spe", SPE)
 def test_pairwise_resume_with_checkpoint_and_validation(tmp_path, spe):
     """Mid-epoch resume + ModelCheckpoint(save_freq=8) + PeriodicValidation(every_n_steps=8)."""
-    x, y = make_data(96)
-    x_val, y_val = make_data(16, seed=2)
+    (x, y), (x_val, y_val), reference = reference_run(samples=96, validation_samples=16)
     backup_dir = str(tmp_path / "backup")
-    reference = make_model()
-    reference.fit(dataset(x, y), epochs=3, verbose=0)
 
     def callbacks(crash):
         validation = PeriodicValidation((x_val, y_val), every_n_steps=8, backup_dir=backup_dir)

@@ -40,6 +40,23 @@ class _EpochLogs(keras.callbacks.Callback):
         self.epochs.append(dict(logs))
 
 
+def _fit_with_tensorboard(model, y_of, tmp_path, seed):
+    """Two epochs of 4 batches with the real TensorBoard callback: (epoch logs, train scalars)."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(32, 4)).astype("float32")
+    logdir = str(tmp_path / "tb")
+    seen = _EpochLogs()
+    model.fit(
+        x,
+        y_of(rng),
+        batch_size=8,
+        epochs=2,
+        verbose=0,
+        callbacks=[seen, keras.callbacks.TensorBoard(logdir, write_graph=False)],
+    )
+    return seen.epochs, _scalars(os.path.join(logdir, "train"))
+
+
 def test_tensorboard_package_is_installed_with_the_documented_extras():
     import tensorboard  # noqa: F401  (the `bench` extra must bring it)
 
@@ -54,26 +71,15 @@ def test_grad_norm_and_loss_scale_reach_tensorboard(tmp_path):
         outputs = keras.layers.Dense(1, dtype="float32")(hidden)
         model = kf.OptimizedModel(inputs, outputs)
         model.compile(keras.optimizers.SGD(0.01), "mse", gradient_clipping=1.0)
-        rng = np.random.default_rng(0)
-        x = rng.normal(size=(32, 4)).astype("float32")
-        y = rng.normal(size=(32, 1)).astype("float32")
-        logdir = str(tmp_path / "tb")
-        seen = _EpochLogs()
-        model.fit(
-            x,
-            y,
-            batch_size=8,
-            epochs=2,
-            verbose=0,
-            callbacks=[seen, keras.callbacks.TensorBoard(logdir, write_graph=False)],
+        epochs, train = _fit_with_tensorboard(
+            model, lambda rng: rng.normal(size=(32, 1)).astype("float32"), tmp_path, seed=0
         )
     finally:
         keras.config.set_dtype_policy("float32")
-    train = _scalars(os.path.join(logdir, "train"))
     for key in ("epoch_loss", "epoch_grad_norm", "epoch_loss_scale"):
         assert [step for step, _ in train[key]] == [0, 1], key
     # The values written are the epoch logs fit returned (float32 in the event file).
-    for epoch, logs in enumerate(seen.epochs):
+    for epoch, logs in enumerate(epochs):
         np.testing.assert_allclose(train["epoch_grad_norm"][epoch][1], logs["grad_norm"], 1e-6)
         np.testing.assert_allclose(train["epoch_loss_scale"][epoch][1], logs["loss_scale"], 1e-6)
     assert train["epoch_loss_scale"][0][1] > 1.0  # a real dynamic scale, not a placeholder
@@ -91,24 +97,16 @@ def test_task_weights_reach_tensorboard(tmp_path):
         },
     )
     model.compile(keras.optimizers.SGD(0.05), {"a": "mse", "b": "mse"}, loss_weighting="uw")
-    rng = np.random.default_rng(1)
-    x = rng.normal(size=(32, 4)).astype("float32")
-    y = {"a": rng.normal(size=(32, 1)), "b": 3.0 * rng.normal(size=(32, 1))}
-    logdir = str(tmp_path / "tb")
-    seen = _EpochLogs()
-    model.fit(
-        x,
-        y,
-        batch_size=8,
-        epochs=2,
-        verbose=0,
-        callbacks=[seen, keras.callbacks.TensorBoard(logdir, write_graph=False)],
+    epochs, train = _fit_with_tensorboard(
+        model,
+        lambda rng: {"a": rng.normal(size=(32, 1)), "b": 3.0 * rng.normal(size=(32, 1))},
+        tmp_path,
+        seed=1,
     )
-    train = _scalars(os.path.join(logdir, "train"))
     for task in ("a", "b"):
         key = f"epoch_{task}_weight"
         assert [step for step, _ in train[key]] == [0, 1], key
-        for epoch, logs in enumerate(seen.epochs):
+        for epoch, logs in enumerate(epochs):
             np.testing.assert_allclose(train[key][epoch][1], logs[f"{task}_weight"], 1e-6)
     # uw learns different weights for tasks of different noise: the scalars are not constants.
     assert train["epoch_a_weight"][-1][1] != train["epoch_b_weight"][-1][1]

@@ -31,6 +31,7 @@ import keras
 import tensorflow as tf
 from keras import ops
 
+from keras_fastloop._step.state import state_variable
 from keras_fastloop._warnings import FastloopWarning
 
 SKIP_RATE_WINDOW = 100  # batches in the tests' high/low skip-rate epochs
@@ -56,15 +57,7 @@ def build(state, policy):
     if policy != "raise" or hasattr(state, "nonfinite_step"):
         return
     for name, dtype in (("nonfinite_step", "int64"), ("nonfinite_variable", "int32")):
-        variable = state.add_weight(
-            shape=(),
-            initializer=keras.initializers.Constant(-1),
-            dtype=dtype,
-            trainable=False,
-            name=name,
-            aggregation="only_first_replica",
-        )
-        setattr(state, name, variable)
+        setattr(state, name, state_variable(state, name, value=-1, dtype=dtype))
 
 
 def first_nonfinite_index(grads):

@@ -11,6 +11,23 @@ from __future__ import annotations
 import keras
 
 
+def state_variable(owner, name, shape=(), value=0, dtype="float32"):
+    """A non-trainable, checkpointed variable of the step's state, identical on every replica.
+
+    `owner` is the layer that tracks it (the model's `StepState`); the value is assigned on
+    every replica from all-reduced inputs, so the first replica's copy is kept
+    (`aggregation="only_first_replica"`).
+    """
+    return owner.add_weight(
+        shape=shape,
+        initializer=keras.initializers.Constant(value),
+        dtype=dtype,
+        trainable=False,
+        name=name,
+        aggregation="only_first_replica",
+    )
+
+
 class StepState(keras.layers.Layer):
     """Non-trainable variables of OptimizedModel's step (`skipped_steps` and the features').
 
@@ -20,23 +37,9 @@ class StepState(keras.layers.Layer):
 
     def __init__(self, **kwargs):
         super().__init__(name="fastloop_state", trainable=False, **kwargs)
-        self.skipped_steps = self.add_weight(
-            shape=(),
-            initializer="zeros",
-            dtype="int64",
-            trainable=False,
-            name="skipped_steps",
-            aggregation="only_first_replica",
-        )
+        self.skipped_steps = state_variable(self, "skipped_steps", dtype="int64")
         # Set by compile(nonfinite="terminate") once a step diverged: blocks every later update.
-        self.halted = self.add_weight(
-            shape=(),
-            initializer="zeros",
-            dtype="bool",
-            trainable=False,
-            name="halted",
-            aggregation="only_first_replica",
-        )
+        self.halted = state_variable(self, "halted", value=False, dtype="bool")
 
     def call(self, inputs):  # pragma: no cover - never called, holds state only
         return inputs

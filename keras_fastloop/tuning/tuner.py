@@ -114,54 +114,29 @@ class StepsPerExecutionTuner:
         drift_windows=2,
         max_seconds_per_execution=1.0,
     ):
-        need = _validation.check
-
-        def is_int(v, low):
-            return _validation.is_int(v) and v >= low
-
-        def is_real(v):
-            return _validation.is_real(v)
-
-        need(is_int(initial, 1), "initial", "an int >= 1", initial)
-        need(
-            is_int(max_steps, 1) and max_steps >= initial,
+        check_int, check_real = _validation.check_int, _validation.check_real
+        self.initial = check_int("initial", initial, minimum=1)
+        self.max_steps = check_int(
             "max_steps",
-            f"an int >= initial ({initial})",
             max_steps,
+            minimum=self.initial,
+            requirement=f"an int >= initial ({initial})",
         )
-        need(is_int(growth_factor, 2), "growth_factor", "an int >= 2", growth_factor)
-        need(
-            is_real(min_gain) and min_gain >= 0,
-            "min_gain",
-            "a number >= 0",
-            min_gain,
+        self.growth_factor = check_int("growth_factor", growth_factor, minimum=2)
+        self.min_gain = check_real("min_gain", min_gain, minimum=0.0)
+        self.window = check_int("window", window, minimum=1)
+        self.warmup_executions = check_int("warmup_executions", warmup_executions, minimum=0)
+        self.patience = check_int("patience", patience, minimum=1)
+        self.drift_tolerance = check_real(
+            "drift_tolerance", drift_tolerance, minimum=0.0, exclusive_minimum=True
         )
-        need(is_int(window, 1), "window", "an int >= 1", window)
-        need(is_int(warmup_executions, 0), "warmup_executions", "an int >= 0", warmup_executions)
-        need(is_int(patience, 1), "patience", "an int >= 1", patience)
-        need(
-            is_real(drift_tolerance) and drift_tolerance > 0,
-            "drift_tolerance",
-            "a number > 0",
-            drift_tolerance,
-        )
-        need(is_int(drift_windows, 1), "drift_windows", "an int >= 1", drift_windows)
-        need(
-            is_real(max_seconds_per_execution) and max_seconds_per_execution > 0,
+        self.drift_windows = check_int("drift_windows", drift_windows, minimum=1)
+        self.max_seconds_per_execution = check_real(
             "max_seconds_per_execution",
-            "a number > 0",
             max_seconds_per_execution,
+            minimum=0.0,
+            exclusive_minimum=True,
         )
-        self.initial = int(initial)
-        self.max_steps = int(max_steps)
-        self.growth_factor = int(growth_factor)
-        self.min_gain = float(min_gain)
-        self.window = int(window)
-        self.warmup_executions = int(warmup_executions)
-        self.patience = int(patience)
-        self.drift_tolerance = float(drift_tolerance)
-        self.drift_windows = int(drift_windows)
-        self.max_seconds_per_execution = float(max_seconds_per_execution)
         self.horizon = None
         self.phase = "probing"
         self.candidate = self.initial

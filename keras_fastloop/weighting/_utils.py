@@ -4,22 +4,10 @@ from __future__ import annotations
 
 import random
 
-import keras
 from keras import ops
 
 from keras_fastloop import _validation
-
-
-def state_variable(state, name, shape, value=0.0, dtype="float32"):
-    """A non-trainable, checkpointed variable of the step's state, identical on every replica."""
-    return state.add_weight(
-        shape=shape,
-        initializer=keras.initializers.Constant(value),
-        dtype=dtype,
-        trainable=False,
-        name=name,
-        aggregation="only_first_replica",
-    )
+from keras_fastloop._step.state import state_variable  # noqa: F401 - the methods' state
 
 
 def update_losses(losses):

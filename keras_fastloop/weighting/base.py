@@ -31,6 +31,8 @@ import keras
 import tensorflow as tf
 from keras import ops
 
+from keras_fastloop._step.state import state_variable
+
 _PACKAGE = "keras_fastloop"
 
 
@@ -59,13 +61,8 @@ class LossWeighting:
         """Create variables. `static_weights` are the floats of `compile(loss_weights=...)`."""
         self.check_tasks(task_names)
         self.task_names = list(task_names)
-        self.weights = state.add_weight(
-            shape=(len(task_names),),
-            initializer=keras.initializers.Constant(self.initial_weights(static_weights)),
-            dtype="float32",
-            trainable=False,
-            name="loss_weights",
-            aggregation="only_first_replica",
+        self.weights = state_variable(
+            state, "loss_weights", (len(task_names),), self.initial_weights(static_weights)
         )
 
     def check_tasks(self, task_names):
