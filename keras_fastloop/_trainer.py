@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import keras
 import tensorflow as tf
@@ -105,23 +107,25 @@ class OptimizedTrainer:
 
     def compile(
         self,
-        optimizer="rmsprop",
-        loss=None,
-        loss_weights=None,
-        metrics=None,
-        weighted_metrics=None,
-        run_eagerly=False,
-        steps_per_execution=1,
-        jit_compile="auto",
-        auto_scale_loss=True,
+        optimizer: str | dict[str, Any] | keras.optimizers.Optimizer = "rmsprop",
+        loss: Any = None,
+        loss_weights: float | Sequence[float] | Mapping[str, float] | None = None,
+        metrics: Any = None,
+        weighted_metrics: Any = None,
+        run_eagerly: bool = False,
+        steps_per_execution: int | str = 1,
+        jit_compile: bool | str = "auto",
+        auto_scale_loss: bool = True,
         *,
-        gradient_clipping=None,
-        loss_weighting=None,
-        shared_variables=None,
-        micro_batch_size=None,
-        nonfinite="skip",
-        log_metrics=None,
-    ):
+        gradient_clipping: (
+            clipping_module.GradientClipping | float | str | dict[str, Any] | None
+        ) = None,
+        loss_weighting: weighting_module.LossWeighting | str | dict[str, Any] | None = None,
+        shared_variables: Sequence[keras.Variable | keras.layers.Layer] | None = None,
+        micro_batch_size: int | None = None,
+        nonfinite: str = "skip",
+        log_metrics: str | Sequence[str] | None = None,
+    ) -> None:
         """Configure the model for training.
 
         Args:

@@ -16,12 +16,16 @@ from __future__ import annotations
 
 import numbers
 import re
+from typing import TYPE_CHECKING, Any
 
 import keras
 import tensorflow as tf
 from keras import ops
 
 from keras_fastloop._step.state import state_variable
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 _PACKAGE = "keras_fastloop"
 
@@ -37,7 +41,7 @@ __all__ = [
 ]
 
 
-def deduplicate(gradient):
+def deduplicate(gradient: tf.Tensor | tf.IndexedSlices) -> tf.Tensor | tf.IndexedSlices:
     """The same gradient with each row of an `IndexedSlices` present once.
 
     An `Embedding`'s gradient is a `tf.IndexedSlices` with one row per looked-up id, so an id
@@ -78,24 +82,29 @@ class GradientClipping:
     `BackupAndRestore` and identical on every replica.
     """
 
-    def build(self, owner):
+    def build(self, owner: keras.layers.Layer) -> None:
         """Create state variables on the Keras layer `owner` (no-op for stateless clippers)."""
 
     @property
-    def variables(self):
+    def variables(self) -> list[keras.Variable]:
         return []
 
-    def __call__(self, grads, variables, global_norm):
+    def __call__(
+        self,
+        grads: list[tf.Tensor | tf.IndexedSlices],
+        variables: list[keras.Variable],
+        global_norm: tf.Tensor,
+    ) -> list[tf.Tensor | tf.IndexedSlices]:
         raise NotImplementedError
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         raise NotImplementedError
 
     @classmethod
-    def from_config(cls, config):
+    def from_config(cls, config: dict[str, Any]) -> Self:
         return cls(**config)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.get_config().items())
         return f"{type(self).__name__}({args})"
 
@@ -121,14 +130,19 @@ class ClipByGlobalNorm(GradientClipping):
         ICML 2013.
     """
 
-    def __init__(self, clipnorm):
+    def __init__(self, clipnorm: float) -> None:
         self.clipnorm = _positive("clipnorm", clipnorm)
 
-    def __call__(self, grads, variables, global_norm):
+    def __call__(
+        self,
+        grads: list[tf.Tensor | tf.IndexedSlices],
+        variables: list[keras.Variable],
+        global_norm: tf.Tensor,
+    ) -> list[tf.Tensor | tf.IndexedSlices]:
         clipped, _ = tf.clip_by_global_norm(grads, self.clipnorm, use_norm=global_norm)
         return clipped
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         return {"clipnorm": self.clipnorm}
 
 
@@ -143,13 +157,18 @@ class ClipByNorm(GradientClipping):
         ValueError: if `clipnorm` is not a positive number.
     """
 
-    def __init__(self, clipnorm):
+    def __init__(self, clipnorm: float) -> None:
         self.clipnorm = _positive("clipnorm", clipnorm)
 
-    def __call__(self, grads, variables, global_norm):
+    def __call__(
+        self,
+        grads: list[tf.Tensor | tf.IndexedSlices],
+        variables: list[keras.Variable],
+        global_norm: tf.Tensor,
+    ) -> list[tf.Tensor | tf.IndexedSlices]:
         return [tf.clip_by_norm(g, self.clipnorm) for g in grads]
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         return {"clipnorm": self.clipnorm}
 
 
@@ -164,15 +183,20 @@ class ClipByValue(GradientClipping):
         ValueError: if `clipvalue` is not a positive number.
     """
 
-    def __init__(self, clipvalue):
+    def __init__(self, clipvalue: float) -> None:
         self.clipvalue = _positive("clipvalue", clipvalue)
 
-    def __call__(self, grads, variables, global_norm):
+    def __call__(
+        self,
+        grads: list[tf.Tensor | tf.IndexedSlices],
+        variables: list[keras.Variable],
+        global_norm: tf.Tensor,
+    ) -> list[tf.Tensor | tf.IndexedSlices]:
         return [
             _map_values(g, lambda t: ops.clip(t, -self.clipvalue, self.clipvalue)) for g in grads
         ]
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         return {"clipvalue": self.clipvalue}
 
 
@@ -183,7 +207,7 @@ def _map_values(gradient, fn):
     return fn(gradient)
 
 
-def unitwise_norm(x):
+def unitwise_norm(x: tf.Tensor) -> tf.Tensor:
     """L2 norm per output unit, broadcastable to `x`.
 
     Vectors and scalars (biases, gains) count as one unit; for a kernel of shape
@@ -218,11 +242,16 @@ class AdaptiveGradientClipping(GradientClipping):
         Normalization", ICML 2021 (NFNets), section 4.1.
     """
 
-    def __init__(self, clip_factor=0.01, eps=1e-3):
+    def __init__(self, clip_factor: float = 0.01, eps: float = 1e-3) -> None:
         self.clip_factor = _positive("clip_factor", clip_factor)
         self.eps = _positive("eps", eps)
 
-    def __call__(self, grads, variables, global_norm):
+    def __call__(
+        self,
+        grads: list[tf.Tensor | tf.IndexedSlices],
+        variables: list[keras.Variable],
+        global_norm: tf.Tensor,
+    ) -> list[tf.Tensor | tf.IndexedSlices]:
         clipped = []
         for g, v in zip(grads, variables):
             w = ops.cast(v, g.dtype)
@@ -236,7 +265,7 @@ class AdaptiveGradientClipping(GradientClipping):
             clipped.append(_map_values(g, lambda t, f=factor: t * f))
         return clipped
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         return {"clip_factor": self.clip_factor, "eps": self.eps}
 
 
@@ -263,7 +292,7 @@ class AutoClip(GradientClipping):
         Separation Networks", IEEE MLSP 2020.
     """
 
-    def __init__(self, percentile=10.0, history_size=10000):
+    def __init__(self, percentile: float = 10.0, history_size: int = 10000) -> None:
         if (
             isinstance(percentile, bool)
             or not isinstance(percentile, (int, float))
@@ -282,17 +311,17 @@ class AutoClip(GradientClipping):
         self.history = None
         self.count = None
 
-    def build(self, owner):
+    def build(self, owner: keras.layers.Layer) -> None:
         if self.history is not None:
             return
         self.history = state_variable(owner, "autoclip_history", (self.history_size,))
         self.count = state_variable(owner, "autoclip_count", dtype="int64")
 
     @property
-    def variables(self):
+    def variables(self) -> list[keras.Variable]:
         return [] if self.history is None else [self.history, self.count]
 
-    def threshold(self, global_norm):
+    def threshold(self, global_norm: tf.Tensor) -> tf.Tensor:
         """Record `global_norm` (if finite) and return the current clipping threshold."""
         finite = ops.isfinite(global_norm)
         slot = ops.cast(self.count % self.history_size, "int32")
@@ -307,14 +336,19 @@ class AutoClip(GradientClipping):
         frac = position - ops.cast(lower, "float32")
         return values[lower] + frac * (values[upper] - values[lower])
 
-    def __call__(self, grads, variables, global_norm):
+    def __call__(
+        self,
+        grads: list[tf.Tensor | tf.IndexedSlices],
+        variables: list[keras.Variable],
+        global_norm: tf.Tensor,
+    ) -> list[tf.Tensor | tf.IndexedSlices]:
         # A percentile of 0 (e.g. zero-gradient batches so far) would make 0/0: floor it, so a
         # zero gradient stays zero and anything larger is scaled to (almost) nothing.
         threshold = ops.maximum(self.threshold(global_norm), 1e-12)
         clipped, _ = tf.clip_by_global_norm(grads, threshold, use_norm=global_norm)
         return clipped
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         return {"percentile": self.percentile, "history_size": self.history_size}
 
 
@@ -328,7 +362,9 @@ _NEED_A_THRESHOLD = {
 }
 
 
-def get(identifier):
+def get(
+    identifier: GradientClipping | float | str | dict[str, Any] | None,
+) -> GradientClipping | None:
     """Resolve `compile(gradient_clipping=...)`, as `keras.losses.get` resolves a loss.
 
     Args:

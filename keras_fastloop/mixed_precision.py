@@ -20,6 +20,7 @@ import os
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import keras
 import tensorflow as tf
@@ -289,7 +290,7 @@ def _time_policy(policy, model_fn, batch, steps, warmup_steps, timer):
 
 def set_recommended_policy(
     model_fn: Callable[[], keras.Model] | None = None,
-    data=None,
+    data: tuple[Any, ...] | tf.data.Dataset | None = None,
     confirm: bool = False,
     steps: int = 5,
     warmup_steps: int = 2,
@@ -414,15 +415,15 @@ class Float32Output(keras.layers.Layer):
     >>> keras.config.set_dtype_policy("float32")
     """
 
-    def __init__(self, **kwargs):
+    def __init__(self, **kwargs: Any) -> None:
         kwargs["dtype"] = "float32"
         super().__init__(**kwargs)
         self.supports_masking = True
 
-    def call(self, inputs):
+    def call(self, inputs: Any) -> Any:
         return keras.tree.map_structure(lambda t: keras.ops.cast(t, "float32"), inputs)
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         config = super().get_config()
         config.pop("dtype", None)
         return config
@@ -460,7 +461,12 @@ def _named_outputs(model, outputs) -> list[tuple[str, object]]:
     return [(name, outputs)]
 
 
-def check_output_dtypes(model, policy=None, outputs=None, warn: bool = True) -> list[str]:
+def check_output_dtypes(
+    model: keras.Model,
+    policy: str | keras.DTypePolicy | None = None,
+    outputs: Any = None,
+    warn: bool = True,
+) -> list[str]:
     """Names of the model outputs that would reach a loss in 16-bit precision.
 
     Under a mixed policy (compute dtype float16 or bfloat16) every output that feeds a loss

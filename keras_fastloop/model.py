@@ -6,10 +6,15 @@ The step itself lives in `keras_fastloop._trainer`; this module only combines it
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import keras
 
 from keras_fastloop import _keras_internals as internals
 from keras_fastloop._trainer import OptimizedTrainer
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 __all__ = ["OptimizedModel", "OptimizedSequential"]
 
@@ -69,14 +74,14 @@ class OptimizedModel(OptimizedTrainer, keras.Model):
         >>> model.compile("adam", "sparse_categorical_crossentropy", gradient_clipping=1.0)
     """
 
-    def __new__(cls, *args, **kwargs):
+    def __new__(cls, *args: Any, **kwargs: Any) -> Self:
         if internals.functional_init_arguments(args, kwargs) and not issubclass(
             cls, internals.Functional
         ):
             cls = _functional_variant(cls)
         return super().__new__(cls, *args, **kwargs)
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         if internals.functional_init_arguments(args, kwargs) and not isinstance(
             self, internals.Functional
         ):

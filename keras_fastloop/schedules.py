@@ -1,11 +1,17 @@
 """Learning-rate schedules that Keras lacks: linear warmup followed by SGDR restarts."""
 
+from __future__ import annotations
+
 import math
+from typing import TYPE_CHECKING, Any
 
 import keras
 from keras import ops
 
 from keras_fastloop import _validation
+
+if TYPE_CHECKING:
+    import tensorflow as tf
 
 __all__ = ["WarmupCosineDecayRestarts"]
 
@@ -91,17 +97,17 @@ class WarmupCosineDecayRestarts(keras.optimizers.schedules.LearningRateSchedule)
 
     def __init__(
         self,
-        initial_learning_rate,
-        warmup_target,
-        warmup_steps,
-        first_decay_steps,
-        t_mul=2.0,
-        m_mul=1.0,
-        alpha=0.0,
-        gradient_accumulation_steps=None,
-        allow_decreasing_warmup=False,
-        name="WarmupCosineDecayRestarts",
-    ):
+        initial_learning_rate: float,
+        warmup_target: float,
+        warmup_steps: int,
+        first_decay_steps: int,
+        t_mul: float = 2.0,
+        m_mul: float = 1.0,
+        alpha: float = 0.0,
+        gradient_accumulation_steps: int | None = None,
+        allow_decreasing_warmup: bool = False,
+        name: str = "WarmupCosineDecayRestarts",
+    ) -> None:
         super().__init__()
         _check(
             _is_number(initial_learning_rate)
@@ -186,7 +192,7 @@ class WarmupCosineDecayRestarts(keras.optimizers.schedules.LearningRateSchedule)
             name=name,
         )
 
-    def __call__(self, step):
+    def __call__(self, step: int | float | tf.Tensor) -> tf.Tensor:
         with keras.name_scope(self.name):
             if self.gradient_accumulation_steps:
                 step = ops.floor_divide(step, self.gradient_accumulation_steps)
@@ -205,7 +211,7 @@ class WarmupCosineDecayRestarts(keras.optimizers.schedules.LearningRateSchedule)
             decayed = self._restarts(ops.maximum(step - warmup_steps, 0.0))
             return ops.where(step < warmup_steps, warmup, decayed)
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         return {
             "initial_learning_rate": self.initial_learning_rate,
             "warmup_target": self.warmup_target,

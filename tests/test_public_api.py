@@ -109,6 +109,59 @@ def test_ships_py_typed():
     assert (Path(kf.__file__).parent / "py.typed").is_file()
 
 
+def test_public_callables_are_annotated():
+    """Every public function and constructor carries PEP 484 annotations (py.typed promises it).
+
+    Functions: every parameter but `self`/`cls`/`*args`/`**kwargs`, and the return. Classes:
+    their `__init__`, the same way (a dataclass' generated `__init__` carries its fields'
+    annotations). Plus `OptimizedModel.compile`, the entry point of every feature.
+    """
+    import inspect
+
+    empty = inspect.Parameter.empty
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+
+    def unannotated(function, where):
+        signature = inspect.signature(function)
+        missing = [
+            f"{where}: parameter {p.name!r}"
+            for p in signature.parameters.values()
+            if p.name not in ("self", "cls") and p.kind not in variadic and p.annotation is empty
+        ]
+        if signature.return_annotation is empty:
+            missing.append(f"{where}: return")
+        return missing
+
+    missing = unannotated(kf.OptimizedModel.compile, "keras_fastloop.OptimizedModel.compile")
+    for module in (
+        kf,
+        kf.clipping,
+        kf.schedules,
+        kf.callbacks,
+        kf.data,
+        kf.datasets,
+        kf.mixed_precision,
+        kf.weighting,
+        kf.tuning,
+    ):
+        for name in module.__all__:
+            obj = getattr(module, name)
+            where = f"{module.__name__}.{name}"
+            if inspect.isclass(obj):
+                init = obj.__init__
+                # An `__init__` inherited from outside the package is not ours to annotate:
+                # `object`'s (GradientClipping), Keras' (LearningRateLogger's `Callback`,
+                # OptimizedSequential's `Sequential`), the builtin's (NonFiniteError).
+                if not (getattr(init, "__module__", None) or "").startswith("keras_fastloop"):
+                    continue
+                missing += unannotated(init, f"{where}.__init__")
+            elif inspect.isfunction(obj):
+                missing += unannotated(obj, where)
+            # Anything else is no callable: a constant (`METHODS`, `PAD_ID`, `OOV_ID`,
+            # `DEFAULT_STDLIB_GROUPS`, `__version__`) or a submodule (checked on its own above).
+    assert not missing, missing
+
+
 # What a user imports. Everything else under keras_fastloop has a private (underscore) name,
 # so a new module is either added here on purpose or named as an internal.
 PUBLIC_MODULES = {

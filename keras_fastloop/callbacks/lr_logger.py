@@ -1,5 +1,9 @@
 """A callback that puts the optimizer's learning rate into the training logs."""
 
+from __future__ import annotations
+
+from typing import Any
+
 import keras
 
 __all__ = ["LearningRateLogger"]
@@ -26,10 +30,10 @@ class LearningRateLogger(keras.callbacks.Callback):
     def _learning_rate(self):
         return float(keras.ops.convert_to_numpy(self.model.optimizer.learning_rate))
 
-    def on_train_batch_end(self, batch, logs=None):
+    def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         if logs is not None:
             logs["learning_rate"] = self._learning_rate()
 
-    def on_epoch_end(self, epoch, logs=None):
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         if logs is not None:
             logs["learning_rate"] = self._learning_rate()

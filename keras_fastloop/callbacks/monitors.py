@@ -18,6 +18,7 @@ import os
 import time
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 import keras
 import tensorflow as tf
@@ -99,7 +100,7 @@ class ThroughputMonitor(keras.callbacks.Callback):
         timer: Callable[[], float] | None = None,
         *,
         clock: Callable[[], float] | None = None,
-    ):
+    ) -> None:
         super().__init__()
         batch_size = _validation.check_int("batch_size", batch_size, minimum=1, allow_none=True)
         log_every_n_steps = _validation.check_int(
@@ -142,7 +143,7 @@ class ThroughputMonitor(keras.callbacks.Callback):
 
     # -- callback hooks ------------------------------------------------------------------------
 
-    def on_train_begin(self, logs=None):
+    def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         self._batch_size = self.batch_size or (self.params or {}).get("batch_size")
         self._counter = None if self._batch_size else _find_sample_counter(self.model)
         if self._batch_size is None and self._counter is None:
@@ -155,19 +156,19 @@ class ThroughputMonitor(keras.callbacks.Callback):
         self._traced = False
         self._pause_start = None
 
-    def on_epoch_begin(self, epoch, logs=None):
+    def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         self._mark = None
         self._mark_samples = None
         self._last_batch = -1
         self._epoch = [0.0, 0, 0.0]  # seconds, steps, samples
         self._window = [0.0, 0, 0.0]
 
-    def on_train_batch_begin(self, batch, logs=None):
+    def on_train_batch_begin(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         if self._mark is None:  # first call of the epoch starts the clock
             self._mark = self.timer()
             self._mark_samples = self._samples_seen()
 
-    def on_train_batch_end(self, batch, logs=None):
+    def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         now = self.timer()
         steps = int(batch) - self._last_batch
         self._last_batch = int(batch)
@@ -194,16 +195,16 @@ class ThroughputMonitor(keras.callbacks.Callback):
                 logs.update(self._values(*self._window))
             self._window = [0.0, 0, 0.0]
 
-    def on_test_begin(self, logs=None):
+    def on_test_begin(self, logs: dict[str, Any] | None = None) -> None:
         if self._mark is not None:  # validation inside a training epoch
             self._pause_start = self.timer()
 
-    def on_test_end(self, logs=None):
+    def on_test_end(self, logs: dict[str, Any] | None = None) -> None:
         if self._pause_start is not None and self._mark is not None:
             self._mark += self.timer() - self._pause_start
         self._pause_start = None
 
-    def on_epoch_end(self, epoch, logs=None):
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         seconds, steps, samples = self._epoch
         if steps > 0 and logs is not None:
             logs.update(self._values(seconds, steps, samples))
@@ -263,7 +264,7 @@ class MemoryMonitor(keras.callbacks.Callback):
     >>> # model.history.history["peak_memory_mb"], model.history.history["val_peak_memory_mb"]
     """
 
-    def __init__(self, device: str = "auto"):
+    def __init__(self, device: str = "auto") -> None:
         super().__init__()
         if not isinstance(device, str) or not device:
             raise ValueError(
@@ -319,36 +320,36 @@ class MemoryMonitor(keras.callbacks.Callback):
 
     # -- callback hooks ------------------------------------------------------------------------
 
-    def on_train_begin(self, logs=None):
+    def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         self._devices = self._resolve_devices()
         self._resume = None
 
-    def on_epoch_begin(self, epoch, logs=None):
+    def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         self._peaks = {"train": None, "val": None}
         self._enter("train")
 
-    def on_train_batch_end(self, batch, logs=None):
+    def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         if not self._devices and self._phase == "train":
             self._record("train", self._measure())
 
-    def on_test_begin(self, logs=None):
+    def on_test_begin(self, logs: dict[str, Any] | None = None) -> None:
         if not hasattr(self, "_devices"):  # standalone evaluate()
             self._devices = self._resolve_devices()
         self._resume = self._phase
         self._leave()
         self._enter("val")
 
-    def on_test_batch_end(self, batch, logs=None):
+    def on_test_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         if not self._devices and self._phase == "val":
             self._record("val", self._measure())
 
-    def on_test_end(self, logs=None):
+    def on_test_end(self, logs: dict[str, Any] | None = None) -> None:
         self._leave()
         if self._resume is not None:
             self._enter(self._resume)
         self._resume = None
 
-    def on_epoch_end(self, epoch, logs=None):
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         if self._phase == "train":
             self._leave()
         if logs is None:
@@ -393,7 +394,7 @@ class ProfilerWindow(keras.callbacks.Callback):
     >>> # model.fit(x, y, callbacks=[profiler]); then `tensorboard --logdir logs` -> Profile tab
     """
 
-    def __init__(self, start_step: int, stop_step: int, logdir):
+    def __init__(self, start_step: int, stop_step: int, logdir: str | os.PathLike[str]) -> None:
         super().__init__()
         start_step = _validation.check_int("start_step", start_step, minimum=1)
         if not _validation.is_int(stop_step) or stop_step < start_step:
@@ -412,17 +413,17 @@ class ProfilerWindow(keras.callbacks.Callback):
         self.profiled_steps = None
         self._running = False
 
-    def on_train_begin(self, logs=None):
+    def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         self._base = 0  # steps completed before the current epoch
         self._completed = 0
         self._done = False
         self._first = None
         self.profiled_steps = None
 
-    def on_epoch_begin(self, epoch, logs=None):
+    def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         self._base = self._completed
 
-    def batches_until_next_event(self, batch):
+    def batches_until_next_event(self, batch: int) -> int | None:
         """Batches from the next one (index `batch` of the epoch) to the window's next edge.
 
         A step event for `steps_per_execution="auto"` (`keras_fastloop.tuning.events`):
@@ -438,7 +439,7 @@ class ProfilerWindow(keras.callbacks.Callback):
             return self.stop_step - first + 1
         return None
 
-    def on_train_batch_begin(self, batch, logs=None):
+    def on_train_batch_begin(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         if self._running or self._done:
             return
         first = self._base + int(batch) + 1
@@ -457,12 +458,12 @@ class ProfilerWindow(keras.callbacks.Callback):
             self._running = True
             self._first = first
 
-    def on_train_batch_end(self, batch, logs=None):
+    def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         self._completed = self._base + int(batch) + 1
         if self._running and self._completed >= self.stop_step:
             self._stop()
 
-    def on_train_end(self, logs=None):
+    def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
         if self._running:  # training ended inside the window
             self._stop()
         elif not self._done:

@@ -16,14 +16,21 @@ Two Keras behaviours shape this callback:
   on step-gated results, with all their options.
 """
 
+from __future__ import annotations
+
 import copy
 import json
 import numbers
 import os
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import keras
 
 from keras_fastloop import _validation
+
+if TYPE_CHECKING:
+    import tensorflow as tf
 
 __all__ = ["PeriodicValidation"]
 
@@ -166,16 +173,16 @@ class PeriodicValidation(keras.callbacks.Callback):
 
     def __init__(
         self,
-        validation_data,
-        every_n_steps=None,
-        every_n_epochs=None,
-        validation_steps=None,
-        batch_size=None,
-        callbacks=None,
-        validate_at_end=False,
-        verbose=0,
-        backup_dir=None,
-    ):
+        validation_data: tf.data.Dataset | keras.utils.PyDataset | tuple[Any, ...] | list[Any],
+        every_n_steps: int | None = None,
+        every_n_epochs: int | None = None,
+        validation_steps: int | None = None,
+        batch_size: int | None = None,
+        callbacks: keras.callbacks.Callback | Sequence[keras.callbacks.Callback] | None = None,
+        validate_at_end: bool = False,
+        verbose: int = 0,
+        backup_dir: str | os.PathLike[str] | None = None,
+    ) -> None:
         super().__init__()
         if validation_data is None:
             raise ValueError(
@@ -262,17 +269,17 @@ class PeriodicValidation(keras.callbacks.Callback):
 
     # -- Keras plumbing, forwarded to the driven callbacks ---------------------------------
 
-    def set_model(self, model):
+    def set_model(self, model: keras.Model) -> None:
         super().set_model(model)
         for callback in self.callbacks:
             callback.set_model(model)
 
-    def set_params(self, params):
+    def set_params(self, params: dict[str, Any]) -> None:
         super().set_params(params)
         for callback in self.callbacks:
             callback.set_params(params)
 
-    def on_train_begin(self, logs=None):
+    def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         self._check_validation_batched()
         for callback in self.callbacks:
             callback.on_train_begin(logs)
@@ -291,18 +298,18 @@ class PeriodicValidation(keras.callbacks.Callback):
         elif self.last_validated_step is None:
             self.last_validated_step = self._current_step()
 
-    def on_train_end(self, logs=None):
+    def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
         for callback in self.callbacks:
             callback.on_train_end(logs)
 
-    def on_epoch_begin(self, epoch, logs=None):
+    def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         if self._restore_pending:
             self._restore_pending = False
             self._restore_from_backup()
         self._epoch = epoch
         self._epoch_val_logs = None
 
-    def on_train_batch_end(self, batch, logs=None):
+    def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         if self.every_n_steps is None:
             return
         step = self._current_step()
@@ -312,7 +319,7 @@ class PeriodicValidation(keras.callbacks.Callback):
             if logs is not None:
                 logs.update(val_logs)
 
-    def on_epoch_end(self, epoch, logs=None):
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         due = self.every_n_epochs is not None and (epoch + 1) % self.every_n_epochs == 0
         step = self._current_step()
         if not due and self.validate_at_end and step != self.last_validated_step:
@@ -470,7 +477,7 @@ class PeriodicValidation(keras.callbacks.Callback):
 
     # -- resumable state ---------------------------------------------------------------------
 
-    def get_state(self):
+    def get_state(self) -> dict[str, Any]:
         """Returns the state needed to resume, as a JSON-compatible dict.
 
         Returns:
@@ -492,7 +499,7 @@ class PeriodicValidation(keras.callbacks.Callback):
             ],
         }
 
-    def set_state(self, state):
+    def set_state(self, state: Mapping[str, Any]) -> None:
         """Restores a state from `get_state()`; the next `fit` continues from it.
 
         Args:

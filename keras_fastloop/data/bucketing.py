@@ -18,13 +18,17 @@ from __future__ import annotations
 import dataclasses
 import numbers
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import tensorflow as tf
 
 from keras_fastloop import _validation
 from keras_fastloop._warnings import FastloopWarning
+
+if TYPE_CHECKING:
+    from numpy.typing import ArrayLike
 
 __all__ = [
     "BucketPlan",
@@ -59,19 +63,19 @@ class BucketPlan:
             the whole dataset (`scanned_all`); None otherwise.
     """
 
-    bucket_boundaries: tuple
-    bucket_batch_sizes: tuple
+    bucket_boundaries: tuple[int, ...]
+    bucket_batch_sizes: tuple[int, ...]
     max_length: int | None = None
     scanned_all: bool = False
     extended: bool = False
-    bucket_counts: tuple | None = None
+    bucket_counts: tuple[int, ...] | None = None
 
     @property
-    def num_buckets(self):
+    def num_buckets(self) -> int:
         """Number of buckets (and, with padding to boundaries, the bound on distinct shapes)."""
         return len(self.bucket_boundaries)
 
-    def num_batches(self, drop_remainder=False):
+    def num_batches(self, drop_remainder: bool = False) -> int | None:
         """Batches per pass over the scanned dataset, or None when `bucket_counts` is unknown.
 
         `sum_b ceil(n_b / batch_b)`, or `sum_b floor(n_b / batch_b)` with `drop_remainder`,
@@ -184,7 +188,9 @@ def _check_on_overflow(on_overflow):
 # --------------------------------------------------------------------------------------------
 
 
-def quantile_boundaries(lengths, num_buckets=_DEFAULT_NUM_BUCKETS, weighting="tokens"):
+def quantile_boundaries(
+    lengths: ArrayLike, num_buckets: int = _DEFAULT_NUM_BUCKETS, weighting: str = "tokens"
+) -> tuple[int, ...]:
     """Chooses bucket boundaries at the quantiles of a sample of sequence lengths.
 
     With `weighting="tokens"` (default) each length counts with its number of tokens:
@@ -246,7 +252,9 @@ def quantile_boundaries(lengths, num_buckets=_DEFAULT_NUM_BUCKETS, weighting="to
     return tuple(int(b) for b in bounds)
 
 
-def geometric_boundaries(max_length, first=16, ratio=1.2, multiple=8):
+def geometric_boundaries(
+    max_length: int, first: int = 16, ratio: float = 1.2, multiple: int = 8
+) -> tuple[int, ...]:
     """Boundaries growing by a constant ratio: `first * ratio**k` rounded up, then `max_length`.
 
     Every value `first * ratio**k` below `max_length` is rounded up to a multiple of
@@ -293,7 +301,9 @@ def geometric_boundaries(max_length, first=16, ratio=1.2, multiple=8):
     return tuple(sorted(b for b in bounds if b < max_length)) + (int(max_length),)
 
 
-def token_budget_batch_sizes(bucket_boundaries, tokens_per_batch):
+def token_budget_batch_sizes(
+    bucket_boundaries: Sequence[int] | np.ndarray, tokens_per_batch: int
+) -> tuple[int, ...]:
     """Batch size per bucket so that a padded batch holds at most `tokens_per_batch` tokens.
 
     `batch_size_i = max(1, tokens_per_batch // bucket_boundaries[i])`: long buckets get small
@@ -460,18 +470,18 @@ def _scan_lengths(dataset, length_fn, limit):
 
 
 def plan_buckets(
-    dataset,
-    bucket_boundaries=None,
-    batch_size=None,
-    tokens_per_batch=None,
-    element_length_func=None,
-    num_buckets=None,
-    num_boundary_samples=_DEFAULT_NUM_BOUNDARY_SAMPLES,
-    max_length=None,
-    on_overflow="extend",
+    dataset: tf.data.Dataset,
+    bucket_boundaries: Sequence[int] | np.ndarray | None = None,
+    batch_size: int | None = None,
+    tokens_per_batch: int | None = None,
+    element_length_func: Callable[[Any], tf.Tensor | int] | None = None,
+    num_buckets: int | None = None,
+    num_boundary_samples: int = _DEFAULT_NUM_BOUNDARY_SAMPLES,
+    max_length: int | None = None,
+    on_overflow: str = "extend",
     *,
-    length_fn=None,
-):
+    length_fn: Callable[[Any], tf.Tensor | int] | None = None,
+) -> BucketPlan:
     """Resolves bucket boundaries and per-bucket batch sizes for a dataset, without batching.
 
     Same arguments as `bucket_by_length` (see there). The lengths of up to
@@ -594,24 +604,24 @@ def plan_buckets(
 
 
 def bucket_by_length(
-    dataset,
-    bucket_boundaries=None,
-    batch_size=None,
-    tokens_per_batch=None,
-    element_length_func=None,
-    pad_to_bucket_boundary=True,
-    padding_values=None,
-    drop_remainder=False,
-    shuffle_buffer=None,
-    seed=None,
-    num_buckets=None,
-    num_boundary_samples=_DEFAULT_NUM_BOUNDARY_SAMPLES,
-    max_length=None,
-    on_overflow="extend",
-    prefetch=True,
+    dataset: tf.data.Dataset,
+    bucket_boundaries: Sequence[int] | np.ndarray | None = None,
+    batch_size: int | None = None,
+    tokens_per_batch: int | None = None,
+    element_length_func: Callable[[Any], tf.Tensor | int] | None = None,
+    pad_to_bucket_boundary: bool = True,
+    padding_values: Any = None,
+    drop_remainder: bool = False,
+    shuffle_buffer: int | None = None,
+    seed: int | None = None,
+    num_buckets: int | None = None,
+    num_boundary_samples: int = _DEFAULT_NUM_BOUNDARY_SAMPLES,
+    max_length: int | None = None,
+    on_overflow: str = "extend",
+    prefetch: bool = True,
     *,
-    length_fn=None,
-):
+    length_fn: Callable[[Any], tf.Tensor | int] | None = None,
+) -> tf.data.Dataset:
     """Groups sequences of similar length into padded batches (`bucket_by_sequence_length`).
 
     A sequence of length `L` goes to the first bucket whose boundary is `>= L` (boundaries are
@@ -728,18 +738,18 @@ def bucket_by_length(
 
 
 def apply_bucket_plan(
-    dataset,
-    plan,
-    element_length_func=None,
-    pad_to_bucket_boundary=True,
-    padding_values=None,
-    drop_remainder=False,
-    shuffle_buffer=None,
-    seed=None,
-    prefetch=True,
+    dataset: tf.data.Dataset,
+    plan: BucketPlan,
+    element_length_func: Callable[[Any], tf.Tensor | int] | None = None,
+    pad_to_bucket_boundary: bool = True,
+    padding_values: Any = None,
+    drop_remainder: bool = False,
+    shuffle_buffer: int | None = None,
+    seed: int | None = None,
+    prefetch: bool = True,
     *,
-    length_fn=None,
-):
+    length_fn: Callable[[Any], tf.Tensor | int] | None = None,
+) -> tf.data.Dataset:
     """Batches a dataset according to a `BucketPlan` (the second half of `bucket_by_length`).
 
     Args: as in `bucket_by_length`; `plan` is a `BucketPlan` from `plan_buckets`.

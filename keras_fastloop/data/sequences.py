@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import numpy as np
 import tensorflow as tf
 
 __all__ = ["sequences_to_dataset"]
 
 
-def sequences_to_dataset(sequences, labels=None, sample_weights=None):
+def sequences_to_dataset(
+    sequences: Sequence[Sequence[int] | np.ndarray],
+    labels: Sequence[Any] | np.ndarray | None = None,
+    sample_weights: Sequence[float] | np.ndarray | None = None,
+) -> tf.data.Dataset:
     """Builds an unbatched `tf.data.Dataset` from a ragged list of 1-D token-id arrays.
 
     Args:

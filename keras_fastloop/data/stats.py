@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import tensorflow as tf
 
 from keras_fastloop import _validation
 from keras_fastloop.data.bucketing import _features_of
+
+if TYPE_CHECKING:
+    from numpy.typing import ArrayLike
 
 __all__ = ["PaddingStats", "padding_stats"]
 
@@ -36,15 +41,15 @@ class PaddingStats:
     total_tokens: int
     padded_tokens: int
     padding_fraction: float
-    distinct_shapes: tuple
-    distinct_lengths: tuple
+    distinct_shapes: tuple[tuple[int, ...], ...]
+    distinct_lengths: tuple[int, ...]
 
     @property
-    def num_distinct_shapes(self):
+    def num_distinct_shapes(self) -> int:
         """Number of distinct full shapes of the sequence tensor."""
         return len(self.distinct_shapes)
 
-    def as_dict(self):
+    def as_dict(self) -> dict[str, Any]:
         """Returns the statistics as a plain dict (with `num_distinct_shapes`)."""
         out = dataclasses.asdict(self)
         out["num_distinct_shapes"] = self.num_distinct_shapes
@@ -64,13 +69,13 @@ def _default_sequence(batch):
 
 
 def padding_stats(
-    dataset,
-    pad_value=0,
-    length_fn=None,
-    mask_fn=None,
-    sequence_fn=None,
-    max_batches=None,
-):
+    dataset: tf.data.Dataset | Iterable[Any],
+    pad_value: float = 0,
+    length_fn: Callable[[Any], ArrayLike] | None = None,
+    mask_fn: Callable[[Any], ArrayLike] | None = None,
+    sequence_fn: Callable[[Any], ArrayLike] | None = None,
+    max_batches: int | None = None,
+) -> PaddingStats:
     """Measures the share of padding and the number of distinct batch shapes of a dataset.
 
     Works on any batched dataset (from `padded_batch`, `bucket_by_length`, a generator, ...).

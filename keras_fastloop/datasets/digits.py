@@ -7,7 +7,9 @@ import numpy as np
 from keras_fastloop import _validation
 
 
-def load_digits_data(image_size=16, validation_fraction=0.2, seed=0):
+def load_digits_data(
+    image_size: int = 16, validation_fraction: float = 0.2, seed: int = 0
+) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
     """The digits data set as float32 images in [0, 1], split into train and validation.
 
     Args:

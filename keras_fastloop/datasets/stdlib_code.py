@@ -18,6 +18,7 @@ import sys
 import sysconfig
 import textwrap
 import tokenize
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -72,28 +73,28 @@ class StdlibCode:
         python_version: str. `"major.minor.micro"` of the interpreter the source came from.
     """
 
-    x_train: list
+    x_train: list[np.ndarray]
     y_train: np.ndarray
-    x_val: list
+    x_val: list[np.ndarray]
     y_val: np.ndarray
-    names_train: tuple
-    names_val: tuple
-    vocab: tuple
-    class_names: tuple
+    names_train: tuple[str, ...]
+    names_val: tuple[str, ...]
+    vocab: tuple[str, ...]
+    class_names: tuple[str, ...]
     python_version: str
 
     @property
-    def pad_id(self):
+    def pad_id(self) -> int:
         """Id used for padding (0)."""
         return PAD_ID
 
     @property
-    def oov_id(self):
+    def oov_id(self) -> int:
         """Id of out-of-vocabulary tokens (1)."""
         return OOV_ID
 
 
-def tokenize_source(source):
+def tokenize_source(source: str) -> list[str]:
     """Splits Python source into tokens with the standard `tokenize` module.
 
     Comments, blank-line markers and the encoding/end markers are dropped; NEWLINE, INDENT and
@@ -163,13 +164,13 @@ def _parse_groups(root, groups):
 
 
 def load_stdlib_code(
-    vocab_size=2000,
-    max_length=512,
-    min_length=1,
-    groups=DEFAULT_STDLIB_GROUPS,
-    validation_split=0.2,
-    seed=0,
-):
+    vocab_size: int = 2000,
+    max_length: int | None = 512,
+    min_length: int = 1,
+    groups: Sequence[str] = DEFAULT_STDLIB_GROUPS,
+    validation_split: float = 0.2,
+    seed: int = 0,
+) -> StdlibCode:
     """Loads functions/methods of standard-library packages as token ids, labelled by package.
 
     Each example is one module-level function or one method of a module-level class (with its

@@ -24,8 +24,13 @@ validations.
 from __future__ import annotations
 
 import numbers
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from keras_fastloop import _validation
+
+if TYPE_CHECKING:
+    import keras
 
 __all__ = [
     "batches_until_next_event",
@@ -53,7 +58,7 @@ def _step_gaps(callback, step):
     ]
 
 
-def steps_until_next_event(callbacks, step):
+def steps_until_next_event(callbacks: Iterable[keras.callbacks.Callback], step: int) -> int | None:
     """Optimizer steps from `step` until the next step a callback must act on.
 
     Only the step-counted declarations (`steps_until_next_event` methods, `every_n_steps`
@@ -87,7 +92,9 @@ def _save_gap(callback):
     return max(1, int(save_freq) - int(seen))
 
 
-def batches_until_next_event(callbacks, step, batch, accumulation=1):
+def batches_until_next_event(
+    callbacks: Iterable[keras.callbacks.Callback], step: int, batch: int, accumulation: int = 1
+) -> int | None:
     """Batches, counting the next one, until the next step event of any callback.
 
     Args:
@@ -115,7 +122,9 @@ def batches_until_next_event(callbacks, step, batch, accumulation=1):
     return min(gaps) if gaps else None
 
 
-def event_periods(callbacks, accumulation=1):
+def event_periods(
+    callbacks: Iterable[keras.callbacks.Callback], accumulation: int = 1
+) -> list[int]:
     """The periods, in batches, of the callbacks' periodic events (step periods and save_freq).
 
     Args:
@@ -136,7 +145,7 @@ def event_periods(callbacks, accumulation=1):
     return periods
 
 
-def reads_optimizer_step(callbacks):
+def reads_optimizer_step(callbacks: Iterable[keras.callbacks.Callback]) -> bool:
     """Whether any callback declares step-counted events (then `optimizer.iterations` is read).
 
     Args:

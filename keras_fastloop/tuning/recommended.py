@@ -8,16 +8,20 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import keras
 import tensorflow as tf
 
 from keras_fastloop.tuning.tuner import AUTO
 
+if TYPE_CHECKING:
+    from keras_fastloop.mixed_precision import HardwareInfo, PolicyChoice
+
 __all__ = ["RecommendedSetup", "optimize_pipeline", "recommended_setup"]
 
 
-def optimize_pipeline(dataset, cache=False):
+def optimize_pipeline(dataset: tf.data.Dataset, cache: bool = False) -> tf.data.Dataset:
     """A tf.data pipeline that overlaps input work with training.
 
     Turns on tf.data's autotuning and parallel/fused map optimizations, optionally caches the
@@ -68,19 +72,19 @@ class RecommendedSetup:
     """
 
     policy: str
-    policy_choice: object
-    steps_per_execution: object = AUTO
+    policy_choice: PolicyChoice
+    steps_per_execution: int | str = AUTO
 
     @property
-    def compile_kwargs(self):
+    def compile_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for `OptimizedModel.compile`: `{"steps_per_execution": ...}`."""
         return {"steps_per_execution": self.steps_per_execution}
 
-    def pipeline(self, dataset, cache=False):
+    def pipeline(self, dataset: tf.data.Dataset, cache: bool = False) -> tf.data.Dataset:
         """The dataset through `optimize_pipeline`."""
         return optimize_pipeline(dataset, cache=cache)
 
-    def summary(self):
+    def summary(self) -> str:
         """One line: what was chosen, why, and how to undo it."""
         choice = self.policy_choice
         if choice.confirmed and choice.speedup is not None:
@@ -98,11 +102,11 @@ class RecommendedSetup:
 
 def recommended_setup(
     model_fn: Callable[[], keras.Model] | None = None,
-    data=None,
+    data: tuple[Any, ...] | tf.data.Dataset | None = None,
     *,
     min_speedup: float = 1.05,
     steps: int = 5,
-    hardware=None,
+    hardware: HardwareInfo | None = None,
     timer: Callable[[], float] = time.perf_counter,
     verbose: bool = True,
 ) -> RecommendedSetup:

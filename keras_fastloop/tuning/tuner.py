@@ -10,6 +10,7 @@ dropped).
 from __future__ import annotations
 
 import statistics
+from typing import Any
 
 from keras_fastloop import _validation
 
@@ -18,7 +19,7 @@ __all__ = ["AUTO", "StepsPerExecutionTuner", "validate_steps_per_execution"]
 AUTO = "auto"
 
 
-def validate_steps_per_execution(value):
+def validate_steps_per_execution(value: int | str) -> int | str:
     """Checks a `steps_per_execution` argument.
 
     Args:
@@ -103,17 +104,17 @@ class StepsPerExecutionTuner:
 
     def __init__(
         self,
-        initial=1,
-        max_steps=64,
-        growth_factor=2,
-        min_gain=0.05,
-        window=3,
-        warmup_executions=1,
-        patience=2,
-        drift_tolerance=0.3,
-        drift_windows=2,
-        max_seconds_per_execution=1.0,
-    ):
+        initial: int = 1,
+        max_steps: int = 64,
+        growth_factor: int = 2,
+        min_gain: float = 0.05,
+        window: int = 3,
+        warmup_executions: int = 1,
+        patience: int = 2,
+        drift_tolerance: float = 0.3,
+        drift_windows: int = 2,
+        max_seconds_per_execution: float = 1.0,
+    ) -> None:
         check_int, check_real = _validation.check_int, _validation.check_real
         self.initial = check_int("initial", initial, minimum=1)
         self.max_steps = check_int(
@@ -154,7 +155,7 @@ class StepsPerExecutionTuner:
 
     # -- inputs ----------------------------------------------------------------------------
 
-    def begin(self):
+    def begin(self) -> None:
         """Starts a new `fit`: the next `warmup_executions` observations are dropped.
 
         Whatever was learned (the settled count) is kept.
@@ -163,7 +164,7 @@ class StepsPerExecutionTuner:
         self._rates, self._seconds = [], []
         self._off_size = 0
 
-    def set_horizon(self, horizon):
+    def set_horizon(self, horizon: int | None) -> None:
         """Caps every proposal at `horizon` steps (e.g. the period of a step-gated callback).
 
         Args:
@@ -177,16 +178,16 @@ class StepsPerExecutionTuner:
             self.best_steps = cap
 
     @property
-    def cap(self):
+    def cap(self) -> int:
         """The largest count the tuner may propose: `max_steps` and the horizon."""
         return self.max_steps if self.horizon is None else min(self.max_steps, self.horizon)
 
     @property
-    def steps(self):
+    def steps(self) -> int:
         """The count the tuner wants now (the candidate while probing, the choice when settled)."""
         return self.candidate
 
-    def propose(self, limit=None):
+    def propose(self, limit: int | None = None) -> int:
         """The number of steps the next execution should run.
 
         Args:
@@ -200,7 +201,7 @@ class StepsPerExecutionTuner:
             k = min(k, int(limit))
         return max(1, k)
 
-    def observe(self, steps, seconds):
+    def observe(self, steps: int, seconds: float) -> None:
         """Feeds the measurement of one finished execution.
 
         Args:
@@ -272,7 +273,7 @@ class StepsPerExecutionTuner:
             self._drifts = 0
             self._misses = 0
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         """The constructor arguments, as a dict."""
         return {
             "initial": self.initial,

@@ -6,6 +6,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from typing import Any
+
 import keras
 
 from keras_fastloop.weighting.base import EqualWeighting, LossWeighting, Static
@@ -47,7 +50,7 @@ _METHODS = {
 }
 
 
-def get(identifier):
+def get(identifier: LossWeighting | str | dict[str, Any] | None) -> LossWeighting | None:
     """Resolve `compile(loss_weighting=...)`.
 
     Args:
@@ -84,7 +87,10 @@ def get(identifier):
     )
 
 
-def check_loss_weights(weighting, loss_weights):
+def check_loss_weights(
+    weighting: LossWeighting | None,
+    loss_weights: float | Sequence[float] | Mapping[str, float] | None,
+) -> None:
     """Refuse `compile(loss_weights=...)` that the weighting method would ignore.
 
     Only `static` (the default, `loss_weighting=None`) and methods that set

@@ -49,7 +49,7 @@ class LossWeighting:
     # Whether the method uses compile(loss_weights=...) (see weighting.check_loss_weights).
     accepts_loss_weights = False
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.task_names = None
         self.weights = None  # float32 variable of shape (T,), the weights used by the last step
 

@@ -60,7 +60,7 @@ class DWA(LossWeighting):
 
     name = "dwa"
 
-    def __init__(self, temperature=2.0, window=None):
+    def __init__(self, temperature: float = 2.0, window: int | None = None) -> None:
         super().__init__()
         self.temperature = _utils.check_positive(temperature, "temperature")
         self.window = None if window is None else _utils.check_positive_int(window, "window")

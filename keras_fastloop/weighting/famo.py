@@ -48,7 +48,7 @@ class FAMO(LossWeighting):
 
     name = "famo"
 
-    def __init__(self, w_lr=0.025, gamma=1e-3):
+    def __init__(self, w_lr: float = 0.025, gamma: float = 1e-3) -> None:
         super().__init__()
         self.w_lr = _utils.check_positive(w_lr, "w_lr")
         self.gamma = _utils.check_positive(gamma, "gamma", allow_zero=True)

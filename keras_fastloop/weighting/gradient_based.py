@@ -604,7 +604,7 @@ class GradNorm(GradientWeighting):
 
     name = "gradnorm"
 
-    def __init__(self, alpha=1.5, learning_rate=0.025):
+    def __init__(self, alpha: float = 1.5, learning_rate: float = 0.025) -> None:
         super().__init__()
         self.alpha = _utils.check_positive(alpha, "alpha", allow_zero=True)
         self.learning_rate = _utils.check_positive(learning_rate, "learning_rate")
@@ -664,7 +664,7 @@ class PCGrad(GradientWeighting):
 
     name = "pcgrad"
 
-    def __init__(self, seed=None):
+    def __init__(self, seed: int | None = None) -> None:
         super().__init__()
         self.seed = _utils.resolve_seed(seed)
 
@@ -711,7 +711,7 @@ class CAGrad(GradientWeighting):
 
     name = "cagrad"
 
-    def __init__(self, c=0.5, rescale=1, max_iter=100):
+    def __init__(self, c: float = 0.5, rescale: int = 1, max_iter: int = 100) -> None:
         super().__init__()
         self.c = _utils.check_positive(c, "c", allow_zero=True)
         if rescale not in (0, 1, 2) or isinstance(rescale, bool):
@@ -759,8 +759,12 @@ class MGDA(GradientWeighting):
     name = "mgda"
 
     def __init__(
-        self, gradient_normalization="none", solver="active_set", max_iter=250, tolerance=1e-5
-    ):
+        self,
+        gradient_normalization: str = "none",
+        solver: str = "active_set",
+        max_iter: int = 250,
+        tolerance: float = 1e-5,
+    ) -> None:
         super().__init__()
         if gradient_normalization not in _MGDA_NORMALIZATIONS:
             raise ValueError(
@@ -860,7 +864,7 @@ class IMTL(GradientWeighting):
 
     name = "imtl"
 
-    def __init__(self):
+    def __init__(self) -> None:
         super().__init__()
         self.loss_scales = None
 
@@ -917,7 +921,7 @@ class NashMTL(GradientWeighting):
 
     name = "nash_mtl"
 
-    def __init__(self, max_iter=20):
+    def __init__(self, max_iter: int = 20) -> None:
         super().__init__()
         self.max_iter = _utils.check_positive_int(max_iter, "max_iter")
 
@@ -979,7 +983,7 @@ class UPGrad(GradientWeighting):
 
     name = "upgrad"
 
-    def __init__(self, norm_eps=1e-4, reg_eps=1e-4):
+    def __init__(self, norm_eps: float = 1e-4, reg_eps: float = 1e-4) -> None:
         super().__init__()
         self.norm_eps = _utils.check_positive(norm_eps, "norm_eps", allow_zero=True)
         self.reg_eps = _utils.check_positive(reg_eps, "reg_eps", allow_zero=True)

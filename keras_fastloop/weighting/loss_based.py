@@ -42,7 +42,7 @@ class LossEMA(LossWeighting):
 
     name = "loss_ema"
 
-    def __init__(self, decay=0.9):
+    def __init__(self, decay: float = 0.9) -> None:
         super().__init__()
         if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 <= decay < 1:
             raise ValueError(f"`decay` must be a float in [0, 1). Received: decay={decay!r}")

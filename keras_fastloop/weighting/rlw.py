@@ -34,7 +34,7 @@ class RLW(LossWeighting):
 
     name = "rlw"
 
-    def __init__(self, seed=None):
+    def __init__(self, seed: int | None = None) -> None:
         super().__init__()
         self.seed = _utils.resolve_seed(seed)
 

@@ -77,7 +77,7 @@ class UncertaintyWeighting(LossWeighting):
 
     name = "uw"
 
-    def __init__(self, initial_log_variance=0.0, halved=True):
+    def __init__(self, initial_log_variance: float = 0.0, halved: bool = True) -> None:
         super().__init__()
         if (
             isinstance(initial_log_variance, bool)
