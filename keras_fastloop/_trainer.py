@@ -382,7 +382,7 @@ class OptimizedTrainer:
             if not self._loss_is_objective:
                 per_task = ops.convert_to_tensor(self._compile_loss.static_weights, "float32")
                 reported = ops.sum(ops.stack(values) * per_task)
-            record = _LossRecord(task_terms, values, objective, weights, reported, sync.batch_size)
+            record = _LossRecord(values, objective, weights, reported, sync.batch_size)
             if sync.global_losses is not None:  # the step's global losses, no second collective
                 logged = ops.sum(sync.global_losses * per_task)
                 if sync.global_extra is not None:
@@ -673,8 +673,8 @@ class _LossRecord:
     `batch_size`: the global batch's number of samples (the loss trackers' weight).
     """
 
-    def __init__(self, terms, values, objective, weights, reported, batch_size):
-        self.terms, self.values = terms, values
+    def __init__(self, values, objective, weights, reported, batch_size):
+        self.values = values
         self.objective, self.weights, self.reported = objective, weights, reported
         self.batch_size = batch_size
         self.global_losses = None  # [logged loss, *task losses] of the global batch (R > 1)

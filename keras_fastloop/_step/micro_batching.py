@@ -1,80 +1,16 @@
 """In-step micro-batching: one optimizer update per batch, one micro-batch's activations alive.
 
-`compile(micro_batch_size=k)` makes `OptimizedModel`'s `train_step`
-call `accumulate` instead of taking one gradient of the whole batch. `accumulate`
-splits the (per-replica) batch into micro-batches of `k` samples (the last one may be
-smaller), runs forward and backward on one micro-batch at a time inside a `tf.while_loop`
-(`parallel_iterations=1`, so only one micro-batch's activations are alive) and sums the
-gradients in loop variables. The step then does everything else once: cross-replica sum,
-unscale, finite check, clipping and a single `optimizer.apply`.
+`compile(micro_batch_size=k)` makes `train_step` call `accumulate` instead of taking one
+gradient of the whole batch: the (per-replica) batch is split into micro-batches of `k`
+samples (the last may be smaller), forward and backward run on one at a time inside a
+`tf.while_loop` (`parallel_iterations=1`), and the gradients are summed in loop variables,
+each micro-batch's loss weighted by its share of the full batch's denominator
+(`keras_fastloop._step.loss_shares`). The step then does everything else once. A batch
+smaller than `k` runs as one micro-batch (exact, saves no memory; one `FastloopWarning`).
 
-**Batch smaller than `micro_batch_size`.** Not an error: the batch runs as one micro-batch,
-which is exact but saves no memory. A `UserWarning` says so once per `compile`: while the
-step is traced when the batch size is static, else (batch dimension unknown while tracing) at
-the end of the first epoch in which no batch was larger than `micro_batch_size`
-(`BatchSizeMonitor`; a smaller *last* batch is routine and never warns).
-
-**Weighting (why the sum equals the full batch).** A Keras loss with reduction
-`"sum_over_batch_size"` or `"mean_with_sample_weight"` is a ratio `L = N / D`: `N` sums
-the (sample-weighted, masked) loss elements, `D` counts elements (`sum_over_batch_size`
-without mask), unmasked elements (with a Keras mask on the prediction) or sums sample weights
-(`mean_with_sample_weight`). Both are sums over samples (`keras_fastloop._step.loss_shares`
-holds the rule, shared with the replicas), so for micro-batch `m`::
-
-    L_full = N / D = sum_m (D_m / D) * (N_m / D_m) = sum_m share_m * L_m
-
-Every micro-batch's own Keras loss `L_m` is weighted by its share `D_m / D` of the *full*
-batch's denominator, never by `1 / num_micro_batches` (the mean of means that HF transformers
-PR#34191 fixed). The shares are exact, per task:
-
-- `"sum"`: share 1 (`N` is not divided).
-- no Keras mask on the task's prediction: `n_m / n` (element counts grow with the number of
-  samples), or `sum(sample_weight_m) / sum(sample_weight)` for `"mean_with_sample_weight"`
-  with sample weights. Known from the data alone, no extra work.
-- a Keras mask on the prediction (`Embedding(mask_zero=True)`, `Masking`): the denominator
-  depends on the mask, which only the forward pass produces. A first, inference-mode pass over
-  the micro-batches (no tape, so no activations are kept) sums every masked task's denominator;
-  the training pass then weights each micro-batch by its own count over that total. This is
-  exact for any number of tasks, and costs one extra forward pass (about a third of a training
-  pass) only for models with masked outputs. The count is taken by Keras' own reduction code
-  (a `"sum"`-reduced probe loss on a tensor of ones), so mask and sample-weight broadcasting
-  follow Keras exactly.
-- `reduction=None`/`"none"`: rejected (the step needs a scalar loss).
-
-**Replicas.** Under `tf.distribute` the shares above are of the replica's own batch; each
-replica's loss is then weighted by its share `R * D_r / D` of the *global* denominator
-(`keras_fastloop._step.loss_shares.sync_replicas`, one small all-reduce before the loop), so a
-micro-batch's weight is `R * D_m / D` and 1 and `R` replicas agree for any split of the
-global batch. A weighting that is not affine in the losses (FAMO) takes `df/dL` at each
-replica's own losses here (the plain path uses the global ones): an approximation, like the
-micro-batches' own.
-
-Regularization losses (`model.losses`: activity regularizers, which Keras divides by the
-micro-batch's size, `add_loss` terms and weight regularizers) are weighted by `n_m / n`, so
-each counts once per full batch (a weight regularizer's shares sum to one).
-
-**Loss weighting.** The objective is `f(L_1..L_T, theta)` (`LossWeighting.combine`). Each
-micro-batch contributes `sum_t (df/dL_t) * share_m * L_tm` with `df/dL_t` held constant, and
-the weighting's own trainable variables `theta` (e.g. uncertainty weighting's log-variances)
-get their gradient once, after the loop, from `f` at the full-batch losses. This is exact for
-every weighting that is affine in the losses (static, `ew`, `uw`, `dwa`, `rlw`: weights
-read from variables); for one that is not (e.g. a log of the losses), `df/dL` is taken at each
-micro-batch's own losses, an approximation. Gradient-based weighting methods are rejected in
-`compile()`.
-
-**Metrics.** Compiled metrics are updated once per micro-batch with that micro-batch's data
-(their sums and counts add up to the full batch's); the loss trackers once with the full-batch
-values. Epoch means are the same as without micro-batching.
-
-Accumulators are dense: an `Embedding`'s `IndexedSlices` gradient is summed into a dense
-tensor. SGD (with or without momentum) gives the same update either way; Keras' Adam does not:
-on `IndexedSlices` with repeated indices it squares each slice before summing them into its
-second moment, so `keras.Model` with Adam and an embedding takes a (slightly) different step
-from the true full-batch gradient that micro-batching applies.
-
-Not equivalent by construction: layers whose output depends on the other samples of the batch
-(`BatchNormalization` in training mode sees micro-batch statistics) and random layers
-(`Dropout` draws different masks). Sparse or ragged inputs are not supported.
+Why the sum equals the full batch, with masks, sample weights, replicas, regularization,
+loss weighting and metrics, and what is not equivalent (`BatchNormalization`, `Dropout`,
+Adam on `IndexedSlices`): `docs/design.md`, "Micro-batching".
 """
 
 from __future__ import annotations

@@ -161,13 +161,15 @@ def _mean_std(values):
     return float(np.mean(values)), float(np.std(values))
 
 
-def run(out_dir: Path, quick: bool = False) -> dict:
+def run(out_dir: Path, quick: bool = False, methods: tuple[str, ...] | None = None) -> dict:
     """Run the suite and write `multitask.md`, `multitask.json`, `multitask.png`.
 
     Args:
         out_dir: folder for the report (created if missing).
         quick: 1 seed, 2 epochs on 640 training images (for tests and notebooks, well under a
             minute); otherwise 3 seeds, 8 epochs on the full training split.
+        methods: the weighting method ids to compare (`ew`, the reference of the step times,
+            is always included). Default: every method of `LOSS_BASED + GRADIENT_BASED`.
 
     Returns:
         The results dict (also written as JSON) with a `"markdown"` table.
@@ -183,7 +185,15 @@ def run(out_dir: Path, quick: bool = False) -> dict:
     data = load_data()
     if quick:
         data = (data[0][:640], {k: v[:640] for k, v in data[1].items()}, *data[2:])
-    methods = LOSS_BASED + GRADIENT_BASED
+    if methods is None:
+        methods = LOSS_BASED + GRADIENT_BASED
+    unknown = sorted(set(methods) - set(LOSS_BASED + GRADIENT_BASED))
+    if unknown:
+        raise ValueError(
+            f"`methods` must be ids of {LOSS_BASED + GRADIENT_BASED} (unknown: {unknown}). "
+            f"Received: methods={methods!r}"
+        )
+    methods = ("ew", *(m for m in methods if m != "ew"))
     raw = {m: [] for m in ("stl_cls", "stl_seg", *methods)}
     t0 = time.perf_counter()
     for seed in seeds:
