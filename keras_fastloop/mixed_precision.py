@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import statistics
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -263,12 +264,8 @@ def _first_batch(data):
     return tuple(data)
 
 
-def _time_policy(policy, model_fn, batch, steps, warmup_steps, timer):
-    """Builds `model_fn()` under `policy` and returns seconds per `train_on_batch` step.
-
-    Structure is fixed so that an injected timer sees exactly two calls: one after the warm-up
-    steps (which include tracing), one after `steps` timed steps.
-    """
+def _warm_model(policy, model_fn, batch, warmup_steps):
+    """Builds `model_fn()` under `policy` and runs `warmup_steps` untimed steps (tracing)."""
     keras.config.set_dtype_policy(policy)
     model = model_fn()
     if not getattr(model, "compiled", False):
@@ -277,14 +274,22 @@ def _time_policy(policy, model_fn, batch, steps, warmup_steps, timer):
             f"Received: a model with compiled={getattr(model, 'compiled', None)} "
             f"under policy {policy!r}"
         )
-    x, y, *rest = batch
-    sample_weight = rest[0] if rest else None
     for _ in range(warmup_steps):
-        model.train_on_batch(x, y, sample_weight=sample_weight)
+        _train_on(model, batch)
+    return model
+
+
+def _train_on(model, batch):
+    x, y, *rest = batch
+    # train_on_batch returns Python floats, so each step has finished when it returns.
+    model.train_on_batch(x, y, sample_weight=rest[0] if rest else None)
+
+
+def _seconds_per_step(model, batch, steps, timer):
+    """Seconds per step over `steps` timed steps; exactly two calls of `timer`."""
     start = timer()
     for _ in range(steps):
-        # train_on_batch returns Python floats, so each step has finished when it returns.
-        model.train_on_batch(x, y, sample_weight=sample_weight)
+        _train_on(model, batch)
     return (timer() - start) / steps
 
 
@@ -297,15 +302,19 @@ def set_recommended_policy(
     min_speedup: float = 1.0,
     hardware: HardwareInfo | None = None,
     timer: Callable[[], float] = time.perf_counter,
+    rounds: int = 3,
 ) -> PolicyChoice:
     """Sets the global Keras dtype policy to the one recommended for this hardware.
 
     With `confirm=True` the choice is measured, not assumed: the user's model is built by
     `model_fn()` once under float32 and once under the recommended mixed policy, each runs
-    `warmup_steps` untimed `train_on_batch` steps (tracing) then `steps` timed ones on the same
-    batch, and float32 is kept unless the mixed policy is faster by more than `min_speedup`.
-    The timer is called exactly twice per candidate, float32 first, so a fake timer can script
-    the outcome.
+    `warmup_steps` untimed `train_on_batch` steps (tracing, excluded from the timing), then
+    the two are timed in `rounds` alternating rounds of `steps` steps on the same batch
+    (float32 first in even rounds, the mixed policy first in odd ones, so a drift of the
+    machine's speed hits both alike). Each policy's seconds per step is the median over the
+    rounds, and float32 is kept unless the mixed policy is faster by more than `min_speedup`.
+    The timer is called exactly twice per candidate per round, in that order, so a fake timer
+    can script the outcome.
 
     Args:
         model_fn: callable with no arguments returning a compiled `keras.Model`; called after the
@@ -321,14 +330,15 @@ def set_recommended_policy(
             `float32_seconds / mixed_seconds > min_speedup`. Defaults to `1.0` (strictly faster).
         hardware: `HardwareInfo` or `None` (read this machine). Defaults to `None`.
         timer: callable returning seconds as a float. Defaults to `time.perf_counter`.
+        rounds: int >= 1, alternating timing rounds per candidate. Defaults to `3`.
 
     Returns:
         A `PolicyChoice` with the policy set, the recommendation, and the measured seconds per
-        step by policy name.
+        step by policy name (medians over the rounds).
 
     Raises:
         ValueError: if `confirm=True` without `model_fn` and `data`, if `steps < 1`,
-            `warmup_steps < 0` or `min_speedup <= 0`, or if `model_fn` returns an uncompiled
+            `rounds < 1`, `warmup_steps < 0` or `min_speedup <= 0`, or if `model_fn` returns an uncompiled
             model.
 
     Example:
@@ -348,6 +358,7 @@ def set_recommended_policy(
     warmup_steps = _validation.check_int(
         "warmup_steps", warmup_steps, minimum=0, requirement="an int >= 0"
     )
+    rounds = _validation.check_int("rounds", rounds, minimum=1, requirement="an int >= 1")
     _validation.check(
         _validation.is_real(min_speedup) and min_speedup > 0, "min_speedup", "> 0", min_speedup
     )
@@ -363,15 +374,17 @@ def set_recommended_policy(
         return PolicyChoice(policy=recommended, recommended=recommended)
 
     batch = _first_batch(data)
-    seconds = {}
+    candidates = ("float32", recommended)
+    per_round = {policy: [] for policy in candidates}
     try:
-        for policy in ("float32", recommended):
-            seconds[policy] = float(
-                _time_policy(policy, model_fn, batch, steps, warmup_steps, timer)
-            )
+        models = {p: _warm_model(p, model_fn, batch, warmup_steps) for p in candidates}
+        for r in range(rounds):
+            for policy in candidates if r % 2 == 0 else candidates[::-1]:
+                per_round[policy].append(_seconds_per_step(models[policy], batch, steps, timer))
     except BaseException:
         keras.config.set_dtype_policy("float32")
         raise
+    seconds = {policy: float(statistics.median(values)) for policy, values in per_round.items()}
     mixed_is_faster = seconds[recommended] > 0 and (
         seconds["float32"] / seconds[recommended] > min_speedup
     )

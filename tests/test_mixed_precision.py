@@ -158,7 +158,13 @@ def test_confirm_keeps_mixed_when_faster():
     # float32: 0 -> 10 s for 5 steps (2 s/step); mixed: 20 -> 25 s (1 s/step).
     timer = ScriptedTimer([0.0, 10.0, 20.0, 25.0])
     choice = set_recommended_policy(
-        _tiny_model_fn(built), DATA, confirm=True, steps=5, hardware=BF16_CPU, timer=timer
+        _tiny_model_fn(built),
+        DATA,
+        confirm=True,
+        steps=5,
+        rounds=1,
+        hardware=BF16_CPU,
+        timer=timer,
     )
     assert built == ["float32", "mixed_bfloat16"]
     assert timer.calls == 4
@@ -174,7 +180,13 @@ def test_confirm_falls_back_to_float32_when_mixed_is_slower():
     # float32 1 s/step, mixed 6.5 s/step (like float16 emulated on a CPU).
     timer = ScriptedTimer([0.0, 2.0, 10.0, 23.0])
     choice = set_recommended_policy(
-        _tiny_model_fn(built), DATA, confirm=True, steps=2, hardware=BF16_CPU, timer=timer
+        _tiny_model_fn(built),
+        DATA,
+        confirm=True,
+        steps=2,
+        rounds=1,
+        hardware=BF16_CPU,
+        timer=timer,
     )
     assert choice.policy == "float32"
     assert choice.recommended == "mixed_bfloat16"
@@ -185,7 +197,13 @@ def test_confirm_falls_back_to_float32_when_mixed_is_slower():
 def test_confirm_equal_speed_falls_back_and_min_speedup_is_respected():
     timer = ScriptedTimer([0.0, 1.0, 0.0, 1.0])
     choice = set_recommended_policy(
-        _tiny_model_fn([]), DATA, confirm=True, steps=1, hardware=BF16_CPU, timer=timer
+        _tiny_model_fn([]),
+        DATA,
+        confirm=True,
+        steps=1,
+        rounds=1,
+        hardware=BF16_CPU,
+        timer=timer,
     )
     assert choice.policy == "float32"  # "not faster" -> float32
     timer = ScriptedTimer([0.0, 1.2, 0.0, 1.0])  # 1.2x faster, but 1.5x required
@@ -194,11 +212,50 @@ def test_confirm_equal_speed_falls_back_and_min_speedup_is_respected():
         tf.data.Dataset.from_tensor_slices(DATA).batch(4),
         confirm=True,
         steps=1,
+        rounds=1,
         min_speedup=1.5,
         hardware=BF16_CPU,
         timer=timer,
     )
     assert choice.policy == "float32"
+
+
+def test_confirm_alternates_rounds_and_takes_medians():
+    """Three rounds, float32 first in rounds 0 and 2, mixed first in round 1; medians decide.
+
+    Round 1 is disturbed (the machine slowed down while float32 ran): with one round per
+    policy that round alone would pick the mixed policy; the medians keep float32.
+    """
+    built = []
+    durations = [  # seconds per step (steps=1): (policy, seconds) in timing order
+        ("float32", 1.0),
+        ("mixed", 1.1),  # round 0
+        ("mixed", 1.1),
+        ("float32", 5.0),  # round 1: float32 hit by a slowdown
+        ("float32", 1.0),
+        ("mixed", 1.2),  # round 2
+    ]
+    ticks, now = [], 0.0
+    for _, seconds in durations:
+        ticks += [now, now + seconds]
+        now += seconds
+    timer = ScriptedTimer(ticks)
+    choice = set_recommended_policy(
+        _tiny_model_fn(built),
+        DATA,
+        confirm=True,
+        steps=1,
+        rounds=3,
+        warmup_steps=1,
+        hardware=BF16_CPU,
+        timer=timer,
+    )
+    assert built == ["float32", "mixed_bfloat16"]  # both built (and warmed) before timing
+    assert timer.calls == 12
+    assert choice.seconds_per_step == pytest.approx({"float32": 1.0, "mixed_bfloat16": 1.1})
+    assert choice.policy == "float32"
+    with pytest.raises(ValueError, match="Received: rounds=0"):
+        set_recommended_policy(_tiny_model_fn([]), DATA, confirm=True, rounds=0, hardware=BF16_CPU)
 
 
 def test_confirm_skips_timing_when_recommendation_is_float32():

@@ -293,9 +293,14 @@ def _script(*values):
 
 def test_recommended_setup_keeps_float32_when_mixed_is_slower(restore_policy):
     bf16_cpu = HardwareInfo(cpu_flags=frozenset({"avx512_bf16"}))
-    # Timer called twice per candidate, float32 first: float32 1 s, mixed 2 s.
+    # One round: timer called twice per candidate, float32 first: float32 1 s, mixed 2 s.
     setup = tuning.recommended_setup(
-        _model_fn, _data(16), hardware=bf16_cpu, steps=1, timer=_script(0.0, 1.0, 0.0, 2.0)
+        _model_fn,
+        _data(16),
+        hardware=bf16_cpu,
+        steps=1,
+        rounds=1,
+        timer=_script(0.0, 1.0, 0.0, 2.0),
     )
     assert setup.policy == "float32"
     assert keras.config.dtype_policy().name == "float32"
@@ -305,7 +310,12 @@ def test_recommended_setup_keeps_float32_when_mixed_is_slower(restore_policy):
 def test_recommended_setup_takes_mixed_when_it_pays(restore_policy):
     bf16_cpu = HardwareInfo(cpu_flags=frozenset({"avx512_bf16"}))
     setup = tuning.recommended_setup(
-        _model_fn, _data(16), hardware=bf16_cpu, steps=1, timer=_script(0.0, 2.0, 0.0, 1.0)
+        _model_fn,
+        _data(16),
+        hardware=bf16_cpu,
+        steps=1,
+        rounds=1,
+        timer=_script(0.0, 2.0, 0.0, 1.0),
     )
     assert setup.policy == "mixed_bfloat16"
     assert keras.config.dtype_policy().name == "mixed_bfloat16"

@@ -106,6 +106,7 @@ def recommended_setup(
     *,
     min_speedup: float = 1.05,
     steps: int = 5,
+    rounds: int = 3,
     hardware: HardwareInfo | None = None,
     timer: Callable[[], float] = time.perf_counter,
     verbose: bool = True,
@@ -133,7 +134,8 @@ def recommended_setup(
             to `None`.
         data: one batch `(x, y)` or a dataset, used with `model_fn`. Defaults to `None`.
         min_speedup: float > 0, required speed-up of the mixed policy. Defaults to `1.05`.
-        steps: int >= 1, timed steps per candidate policy. Defaults to `5`.
+        steps: int >= 1, timed steps per candidate policy and round. Defaults to `5`.
+        rounds: int >= 1, alternating timing rounds (medians decide). Defaults to `3`.
         hardware: `mixed_precision.HardwareInfo` or `None` (this machine). Defaults to
             `None`.
         timer: callable returning seconds. Defaults to `time.perf_counter`.
@@ -167,6 +169,7 @@ def recommended_setup(
         data,
         confirm=model_fn is not None,
         steps=steps,
+        rounds=rounds,
         min_speedup=min_speedup,
         hardware=hardware,
         timer=timer,
