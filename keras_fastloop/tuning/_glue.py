@@ -117,8 +117,19 @@ def _variable_steps_function(model, step_function, state):
 
     multi_step_on_iterator = tf.function(multi_step_on_iterator, reduce_retracing=True)
 
+    @tf.autograph.experimental.do_not_convert
+    def one_step_on_iterator(iterator):
+        # Keras' own function for steps_per_execution=1 (no loop, no Optional): "auto" at 1
+        # costs what plain `fit` costs. The end of the data raises OutOfRangeError, which
+        # Keras' epoch iterator handles.
+        return one_step_on_data(iterator.get_next())
+
+    one_step_on_iterator = tf.function(one_step_on_iterator, reduce_retracing=True)
+
     def function(iterator):
         if isinstance(iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)):
+            if state.k == 1:
+                return one_step_on_iterator(iterator)
             optional = multi_step_on_iterator(iterator, tf.constant(state.k, tf.int32))
             if not optional.has_value():
                 raise StopIteration
