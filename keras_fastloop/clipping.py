@@ -370,8 +370,8 @@ def get(
     Args:
         identifier: `None` (no clipping); a positive float (global-norm clipping at that
             value, numpy scalars included); a string id, `"auto_clip"` or
-            `"adaptive_gradient_clipping"` (the class name also works), built with its
-            defaults; a `GradientClipping` instance; or a config dict from `keras.saving`.
+            `"adaptive_gradient_clipping"` (the class name and the id without underscores
+            also work), built with its defaults; a `GradientClipping` instance; or a config dict from `keras.saving`.
 
     Returns:
         A `GradientClipping` instance, or `None` for `None`.
@@ -387,6 +387,9 @@ def get(
         return ClipByGlobalNorm(identifier)
     if isinstance(identifier, str):
         key = _snake_case(identifier)
+        key = {k.replace("_", ""): k for k in (*_IDS, *_NEED_A_THRESHOLD)}.get(
+            key.replace("_", ""), key
+        )
         if key in _IDS:
             return _IDS[key]()
         if key in _NEED_A_THRESHOLD:

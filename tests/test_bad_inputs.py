@@ -7,7 +7,7 @@ and ends with `Received: ...`. The regex is the message it gets (abridged):
 ======================  ==========  =============================================================
 id                      raises      message
 ======================  ==========  =============================================================
-clip_unknown_id         TypeError   `gradient_clipping` must be None, a positive float ...
+clip_unknown_id         ValueError  Unknown `gradient_clipping` id. Expected one of [...]
 clip_bool               TypeError   `gradient_clipping` must be None, a positive float ...
 clip_zero               ValueError  `clipnorm` must be a positive, finite number
 clip_negative           ValueError  `clipnorm` must be a positive, finite number
@@ -155,7 +155,12 @@ EXACTLY_ONE_BATCHING = (
 FREQUENCY = r"Exactly one of `every_n_steps` and `every_n_epochs` must be set\. Received"
 
 BAD_INPUTS = [
-    ("clip_unknown_id", lambda: compile_one(gradient_clipping="autoclip"), TypeError, CLIP_TYPE),
+    (
+        "clip_unknown_id",
+        lambda: compile_one(gradient_clipping="hard_clip"),
+        ValueError,
+        r"Unknown `gradient_clipping` id\. .*Received: gradient_clipping='hard_clip'",
+    ),
     ("clip_bool", lambda: compile_one(gradient_clipping=True), TypeError, CLIP_TYPE),
     ("clip_zero", lambda: compile_one(gradient_clipping=0.0), ValueError, "`clipnorm` " + POSITIVE),
     ("clip_negative", lambda: clipping.ClipByGlobalNorm(-1), ValueError, "`clipnorm` " + POSITIVE),

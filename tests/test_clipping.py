@@ -212,6 +212,7 @@ def test_get_resolves_like_keras_losses_get():
     assert clipping.get(None) is None and kf.weighting.get(None) is None
     assert isinstance(clipping.get("auto_clip"), clipping.AutoClip)
     assert isinstance(clipping.get("AutoClip"), clipping.AutoClip)
+    assert isinstance(clipping.get("autoclip"), clipping.AutoClip)
     agc = clipping.get("adaptive_gradient_clipping")
     assert isinstance(agc, clipping.AdaptiveGradientClipping) and agc.clip_factor == 0.01
     by_norm = clipping.get(np.float32(2.0))
@@ -221,6 +222,8 @@ def test_get_resolves_like_keras_losses_get():
     assert isinstance(kf.weighting.get("uw"), kf.weighting.UncertaintyWeighting)
     with pytest.raises(ValueError, match=r"needs its threshold.*ClipByGlobalNorm\(clipnorm\)"):
         clipping.get("clip_by_global_norm")
+    with pytest.raises(ValueError, match=r"needs its threshold.*ClipByValue\(clipvalue\)"):
+        clipping.get("ClipByValue")
     with pytest.raises(ValueError, match=r"Unknown `gradient_clipping` id.*Received: gradient_cl"):
         clipping.get("autoclipp")
     with pytest.raises(ValueError, match="Unknown `loss_weighting` id"):

@@ -194,7 +194,8 @@ def test_clipping_set_twice_is_rejected():
     "kwargs, error, match",
     [
         ({"gradient_clipping": -1.0}, ValueError, "clipnorm"),
-        ({"gradient_clipping": "big"}, TypeError, "gradient_clipping"),
+        ({"gradient_clipping": "big"}, ValueError, "Unknown `gradient_clipping` id"),
+        ({"gradient_clipping": [1.0]}, TypeError, "gradient_clipping"),
         ({"nonfinite": "ignore"}, ValueError, "nonfinite"),
         ({"micro_batch_size": 0}, ValueError, "micro_batch_size"),
         ({"loss_weighting": "nope"}, ValueError, "loss_weighting"),

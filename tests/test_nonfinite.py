@@ -16,6 +16,7 @@ from _helpers import fresh_user_data, fresh_user_mlp
 
 import keras_fastloop as kf
 from keras_fastloop._step import guards
+from keras_fastloop._warnings import FastloopWarning
 
 BATCH = 2
 
@@ -368,7 +369,8 @@ def test_forty_nan_batches_keep_the_loss_scale_and_training_recovers():
             x[i * METRIC_BATCH + 2, 0] = np.nan
         else:
             y[i * METRIC_BATCH + 2] = np.inf
-    model, history = fit_scaled((x, y, sw))
+    with pytest.warns(FastloopWarning, match="73% of the last 55 training batches .* skipped"):
+        model, history = fit_scaled((x, y, sw))
     assert float(model.optimizer.dynamic_scale.numpy()) == 2.0**15
     assert int(model.skipped_steps.numpy()) == 40
     assert history.history["skipped_steps"] == [40]
