@@ -291,34 +291,27 @@ def _script(*values):
     return lambda: next(values)
 
 
-def test_recommended_setup_keeps_float32_when_mixed_is_slower(restore_policy):
+@pytest.mark.parametrize(
+    "float32_seconds, mixed_seconds, expected",
+    [(1.0, 2.0, "float32"), (2.0, 1.0, "mixed_bfloat16")],
+    ids=["keeps_float32_when_mixed_is_slower", "takes_mixed_when_it_pays"],
+)
+def test_recommended_setup_policy_follows_the_timing(
+    restore_policy, float32_seconds, mixed_seconds, expected
+):
     bf16_cpu = HardwareInfo(cpu_flags=frozenset({"avx512_bf16"}))
-    # One round: timer called twice per candidate, float32 first: float32 1 s, mixed 2 s.
+    # One round: the timer is called twice per candidate, float32 first.
     setup = tuning.recommended_setup(
         _model_fn,
         _data(16),
         hardware=bf16_cpu,
         steps=1,
         rounds=1,
-        timer=_script(0.0, 1.0, 0.0, 2.0),
+        timer=_script(0.0, float32_seconds, 0.0, mixed_seconds),
     )
-    assert setup.policy == "float32"
-    assert keras.config.dtype_policy().name == "float32"
+    assert setup.policy == expected
+    assert keras.config.dtype_policy().name == expected
     assert setup.compile_kwargs == {"steps_per_execution": "auto"}
-
-
-def test_recommended_setup_takes_mixed_when_it_pays(restore_policy):
-    bf16_cpu = HardwareInfo(cpu_flags=frozenset({"avx512_bf16"}))
-    setup = tuning.recommended_setup(
-        _model_fn,
-        _data(16),
-        hardware=bf16_cpu,
-        steps=1,
-        rounds=1,
-        timer=_script(0.0, 2.0, 0.0, 1.0),
-    )
-    assert setup.policy == "mixed_bfloat16"
-    assert keras.config.dtype_policy().name == "mixed_bfloat16"
 
 
 def test_recommended_setup_needs_model_fn_and_data_together(restore_policy):
