@@ -114,6 +114,29 @@ def test_overridden_compute_loss_is_used():
     assert pair[1][0]["loss"][0] > 100.0
 
 
+def test_overridden_compute_loss_may_restructure_the_outputs():
+    """One output, split in two by `compute_loss`, with a two-entry `loss` list: the loss'
+    structure is the override's business, so `compile` does not check it against the outputs."""
+    x, y = rng_data()
+
+    def build(cls):
+        class TwoViews(cls):
+            def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, **kwargs):
+                return super().compute_loss(x, y, [y_pred, 2.0 * y_pred], sample_weight, **kwargs)
+
+        i = keras.Input((4,))
+        return TwoViews(i, keras.layers.Dense(1, name="a")(i))
+
+    pair = fit_pair(
+        build,
+        {"optimizer": "sgd", "loss": ["mse", "mae"]},
+        (x, (y, y)),
+        {"batch_size": 8, "epochs": 2},
+    )
+    assert_same(pair)
+    assert {"mse_loss", "mae_loss"} <= set(pair[1][0])
+
+
 def test_overridden_compute_loss_refuses_per_task_features():
     i = keras.Input((4,))
     model = _plus_100(kf.OptimizedModel)(
