@@ -116,3 +116,25 @@ def test_one_report_writer_writes_strict_json_for_numpy_nan(tmp_path):
         "c": 3,
         "d": [None, None],
     }
+
+
+def test_run_alternating_rotates_the_order_each_round():
+    from keras_fastloop.bench import harness
+
+    order = []
+
+    def contender(name):
+        def train(run):
+            order.append(name)
+            run.epoch_done(0.5, 1.0, 10)
+            run.epoch_done(0.25, 1.0, 10)
+            run.finish(1.0)
+
+        return train
+
+    runs = harness.run_alternating(
+        {n: contender(n) for n in "ABC"}, lambda: [], 2, 4, progress=lambda line: None
+    )
+    assert order == list("ABCBCACABABC")
+    assert {name: len(r) for name, r in runs.items()} == {"A": 4, "B": 4, "C": 4}
+    assert runs["B"][0].throughput() == 10.0  # epochs after the first: 10 samples in 1 s

@@ -4,8 +4,9 @@ A *contender* is a function `train(run) -> None` that trains one model from the 
 weights for `run.epochs` epochs and calls `run.epoch_done(train_loss, train_seconds,
 samples)` after each epoch (`train_seconds`: time spent in training steps only, so
 throughput excludes validation) and `run.finish(val_accuracy)` at the end. The harness runs
-all contenders `rounds` times in alternation (A B C A B C ...), so slow drifts of the machine
-hit every contender alike, and reports medians and ratios against the first contender.
+all contenders `rounds` times in alternation, the order rotated by one each round (A B C,
+B C A, C A B, ...), so slow drifts of the machine, and a drift within a round, hit every
+contender alike; it reports medians and ratios against the first contender.
 """
 
 from __future__ import annotations
@@ -152,10 +153,17 @@ class Run:
 
 
 def run_alternating(contenders, make_initial_weights, epochs, rounds, progress=print):
-    """Run every contender `rounds` times, alternating; returns `{name: [Run, ...]}`."""
+    """Run every contender `rounds` times, alternating; returns `{name: [Run, ...]}`.
+
+    Round `r` starts with contender `r % len(contenders)` (the order rotates), so no contender
+    always runs at the same point of a round.
+    """
     runs = {name: [] for name in contenders}
+    names = list(contenders)
     for r in range(rounds):
-        for name, train in contenders.items():
+        shift = r % len(names)
+        for name in names[shift:] + names[:shift]:
+            train = contenders[name]
             run = Run(name=name, epochs=epochs, initial_weights=make_initial_weights())
             with PeakRSS() as mem:
                 run.start = time.perf_counter()
