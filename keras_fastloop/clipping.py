@@ -15,7 +15,6 @@ element-wise clipping are those of the dense gradient; the clippers keep it spar
 from __future__ import annotations
 
 import numbers
-import re
 from typing import TYPE_CHECKING, Any
 
 import keras
@@ -26,6 +25,9 @@ from keras_fastloop._step.state import state_variable
 
 if TYPE_CHECKING:
     from typing_extensions import Self
+
+    # A list of per-variable gradients, dense or sparse (an `Embedding`'s `IndexedSlices`).
+    Gradients = list[tf.Tensor | tf.IndexedSlices]
 
 _PACKAGE = "keras_fastloop"
 
@@ -91,10 +93,10 @@ class GradientClipping:
 
     def __call__(
         self,
-        grads: list[tf.Tensor | tf.IndexedSlices],
+        grads: Gradients,
         variables: list[keras.Variable],
         global_norm: tf.Tensor,
-    ) -> list[tf.Tensor | tf.IndexedSlices]:
+    ) -> Gradients:
         raise NotImplementedError
 
     def get_config(self) -> dict[str, Any]:
@@ -135,10 +137,10 @@ class ClipByGlobalNorm(GradientClipping):
 
     def __call__(
         self,
-        grads: list[tf.Tensor | tf.IndexedSlices],
+        grads: Gradients,
         variables: list[keras.Variable],
         global_norm: tf.Tensor,
-    ) -> list[tf.Tensor | tf.IndexedSlices]:
+    ) -> Gradients:
         clipped, _ = tf.clip_by_global_norm(grads, self.clipnorm, use_norm=global_norm)
         return clipped
 
@@ -162,10 +164,10 @@ class ClipByNorm(GradientClipping):
 
     def __call__(
         self,
-        grads: list[tf.Tensor | tf.IndexedSlices],
+        grads: Gradients,
         variables: list[keras.Variable],
         global_norm: tf.Tensor,
-    ) -> list[tf.Tensor | tf.IndexedSlices]:
+    ) -> Gradients:
         return [tf.clip_by_norm(g, self.clipnorm) for g in grads]
 
     def get_config(self) -> dict[str, Any]:
@@ -188,10 +190,10 @@ class ClipByValue(GradientClipping):
 
     def __call__(
         self,
-        grads: list[tf.Tensor | tf.IndexedSlices],
+        grads: Gradients,
         variables: list[keras.Variable],
         global_norm: tf.Tensor,
-    ) -> list[tf.Tensor | tf.IndexedSlices]:
+    ) -> Gradients:
         return [
             _map_values(g, lambda t: ops.clip(t, -self.clipvalue, self.clipvalue)) for g in grads
         ]
@@ -248,10 +250,10 @@ class AdaptiveGradientClipping(GradientClipping):
 
     def __call__(
         self,
-        grads: list[tf.Tensor | tf.IndexedSlices],
+        grads: Gradients,
         variables: list[keras.Variable],
         global_norm: tf.Tensor,
-    ) -> list[tf.Tensor | tf.IndexedSlices]:
+    ) -> Gradients:
         clipped = []
         for g, v in zip(grads, variables):
             w = ops.cast(v, g.dtype)
@@ -338,10 +340,10 @@ class AutoClip(GradientClipping):
 
     def __call__(
         self,
-        grads: list[tf.Tensor | tf.IndexedSlices],
+        grads: Gradients,
         variables: list[keras.Variable],
         global_norm: tf.Tensor,
-    ) -> list[tf.Tensor | tf.IndexedSlices]:
+    ) -> Gradients:
         # A percentile of 0 (e.g. zero-gradient batches so far) would make 0/0: floor it, so a
         # zero gradient stays zero and anything larger is scaled to (almost) nothing.
         threshold = ops.maximum(self.threshold(global_norm), 1e-12)
@@ -362,6 +364,14 @@ _NEED_A_THRESHOLD = {
 }
 
 
+def _normalized(name):
+    """`"AutoClip"`, `"auto_clip"` and `"autoclip"` all read `"autoclip"`."""
+    return name.replace("_", "").lower()
+
+
+_ID_OF = {_normalized(k): k for k in (*_IDS, *_NEED_A_THRESHOLD)}
+
+
 def get(
     identifier: GradientClipping | float | str | dict[str, Any] | None,
 ) -> GradientClipping | None:
@@ -371,7 +381,8 @@ def get(
         identifier: `None` (no clipping); a positive float (global-norm clipping at that
             value, numpy scalars included); a string id, `"auto_clip"` or
             `"adaptive_gradient_clipping"` (the class name and the id without underscores
-            also work), built with its defaults; a `GradientClipping` instance; or a config dict from `keras.saving`.
+            also work), built with its defaults; a `GradientClipping` instance; or a config
+            dict from `keras.saving`.
 
     Returns:
         A `GradientClipping` instance, or `None` for `None`.
@@ -386,10 +397,7 @@ def get(
     if isinstance(identifier, numbers.Real) and not isinstance(identifier, bool):
         return ClipByGlobalNorm(identifier)
     if isinstance(identifier, str):
-        key = _snake_case(identifier)
-        key = {k.replace("_", ""): k for k in (*_IDS, *_NEED_A_THRESHOLD)}.get(
-            key.replace("_", ""), key
-        )
+        key = _ID_OF.get(_normalized(identifier))
         if key in _IDS:
             return _IDS[key]()
         if key in _NEED_A_THRESHOLD:
@@ -412,8 +420,3 @@ def get(
         "ClipByNorm, ClipByValue, AdaptiveGradientClipping, AutoClip). "
         f"Received: gradient_clipping={identifier!r}"
     )
-
-
-def _snake_case(name):
-    """`"AutoClip"` -> `"auto_clip"`; snake_case ids are returned unchanged."""
-    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
