@@ -1,4 +1,4 @@
-"""Small helpers shared by the weighting methods (state variables, global losses, seeds)."""
+"""Small helpers shared by the weighting methods (argument checks, global losses, seeds)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import random
 from keras import ops
 
 from keras_fastloop import _validation
-from keras_fastloop._step.state import state_variable  # noqa: F401 - the methods' state
 
 
 def update_losses(losses):
@@ -51,6 +50,5 @@ __all__ = [
     "check_positive_int",
     "update_losses",
     "resolve_seed",
-    "state_variable",
     "stateless_seed",
 ]

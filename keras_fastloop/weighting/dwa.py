@@ -6,6 +6,7 @@ import keras
 import tensorflow as tf
 from keras import ops
 
+from keras_fastloop._step.state import state_variable
 from keras_fastloop.weighting import _utils
 from keras_fastloop.weighting.base import _PACKAGE, LossWeighting
 
@@ -68,11 +69,11 @@ class DWA(LossWeighting):
     def build(self, model, state, task_names, static_weights):
         super().build(model, state, task_names, static_weights)
         t = len(task_names)
-        self.loss_sum = _utils.state_variable(state, "dwa_loss_sum", (t,), dtype="float64")
-        self.count = _utils.state_variable(state, "dwa_count", (), 0, "int64")
+        self.loss_sum = state_variable(state, "dwa_loss_sum", (t,), dtype="float64")
+        self.count = state_variable(state, "dwa_count", (), 0, "int64")
         # previous[0] = window k-2, previous[1] = window k-1
-        self.previous = _utils.state_variable(state, "dwa_previous", (2, t), 1.0, "float64")
-        self.windows = _utils.state_variable(state, "dwa_windows", (), 0, "int64")
+        self.previous = state_variable(state, "dwa_previous", (2, t), 1.0, "float64")
+        self.windows = state_variable(state, "dwa_windows", (), 0, "int64")
 
     def _closed(self, previous, windows):
         ratio = previous[1] / ops.maximum(previous[0], 1e-12)

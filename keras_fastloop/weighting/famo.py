@@ -7,6 +7,7 @@ import tensorflow as tf
 from keras import ops
 
 from keras_fastloop import _keras_internals as internals
+from keras_fastloop._step.state import state_variable
 from keras_fastloop.weighting import _utils
 from keras_fastloop.weighting.base import _PACKAGE, LossWeighting
 
@@ -56,12 +57,12 @@ class FAMO(LossWeighting):
     def build(self, model, state, task_names, static_weights):
         super().build(model, state, task_names, static_weights)
         t = (len(task_names),)
-        self.logits = _utils.state_variable(state, "famo_logits", t)
-        self.adam_m = _utils.state_variable(state, "famo_adam_m", t)
-        self.adam_v = _utils.state_variable(state, "famo_adam_v", t)
-        self.adam_t = _utils.state_variable(state, "famo_adam_t", (), 0.0)
-        self.previous = _utils.state_variable(state, "famo_previous_losses", t, 1.0)
-        self.has_previous = _utils.state_variable(state, "famo_has_previous", (), 0.0)
+        self.logits = state_variable(state, "famo_logits", t)
+        self.adam_m = state_variable(state, "famo_adam_m", t)
+        self.adam_v = state_variable(state, "famo_adam_v", t)
+        self.adam_t = state_variable(state, "famo_adam_t", (), 0.0)
+        self.previous = state_variable(state, "famo_previous_losses", t, 1.0)
+        self.has_previous = state_variable(state, "famo_has_previous", (), 0.0)
 
     def combine(self, losses):
         z = ops.softmax(ops.convert_to_tensor(self.logits))

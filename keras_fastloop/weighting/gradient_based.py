@@ -59,6 +59,7 @@ from keras import ops
 
 from keras_fastloop import _keras_internals as internals
 from keras_fastloop._step import distributed
+from keras_fastloop._step.state import state_variable
 from keras_fastloop.weighting import _utils
 from keras_fastloop.weighting.base import _PACKAGE, LossWeighting
 
@@ -612,9 +613,9 @@ class GradNorm(GradientWeighting):
     def build(self, model, state, task_names, static_weights):
         super().build(model, state, task_names, static_weights)
         t = (len(task_names),)
-        self.initial_losses = _utils.state_variable(state, "gradnorm_initial_losses", t, 1.0)
-        self.initialized = _utils.state_variable(state, "gradnorm_initialized", (), 0.0)
-        self.pending = _utils.state_variable(state, "gradnorm_pending", t, 1.0)
+        self.initial_losses = state_variable(state, "gradnorm_initial_losses", t, 1.0)
+        self.initialized = state_variable(state, "gradnorm_initialized", (), 0.0)
+        self.pending = state_variable(state, "gradnorm_pending", t, 1.0)
 
     def head_weights(self):
         return self.read_weights()
@@ -670,7 +671,7 @@ class PCGrad(GradientWeighting):
 
     def build(self, model, state, task_names, static_weights):
         super().build(model, state, task_names, static_weights)
-        self.step = _utils.state_variable(state, "pcgrad_step", (), 0, "int64")
+        self.step = state_variable(state, "pcgrad_step", (), 0, "int64")
 
     def task_weights(self, gram, losses):
         t = self.num_tasks

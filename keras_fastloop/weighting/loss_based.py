@@ -5,6 +5,7 @@ from __future__ import annotations
 import keras
 from keras import ops
 
+from keras_fastloop._step.state import state_variable
 from keras_fastloop.weighting import _utils
 from keras_fastloop.weighting.base import _PACKAGE, LossWeighting
 
@@ -50,8 +51,8 @@ class LossEMA(LossWeighting):
 
     def build(self, model, state, task_names, static_weights):
         super().build(model, state, task_names, static_weights)
-        self.ema = _utils.state_variable(state, "loss_ema", (len(task_names),))
-        self.updates = _utils.state_variable(state, "loss_ema_updates", (), 0, "int64")
+        self.ema = state_variable(state, "loss_ema", (len(task_names),))
+        self.updates = state_variable(state, "loss_ema_updates", (), 0, "int64")
 
     def update(self, losses):
         losses = _utils.update_losses(losses)

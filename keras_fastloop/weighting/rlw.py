@@ -6,6 +6,7 @@ import keras
 import tensorflow as tf
 from keras import ops
 
+from keras_fastloop._step.state import state_variable
 from keras_fastloop.weighting import _utils
 from keras_fastloop.weighting.base import _PACKAGE, LossWeighting
 
@@ -40,7 +41,7 @@ class RLW(LossWeighting):
 
     def build(self, model, state, task_names, static_weights):
         super().build(model, state, task_names, static_weights)
-        self.step = _utils.state_variable(state, "rlw_step", (), 0, "int64")
+        self.step = state_variable(state, "rlw_step", (), 0, "int64")
 
     def sample(self):
         """The weights of the current step (a function of `seed` and the step counter)."""
