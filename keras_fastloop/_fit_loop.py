@@ -35,7 +35,7 @@ import numbers
 
 import keras
 
-from keras_fastloop._step import distributed, guards
+from keras_fastloop._step import distributed, guards, prebuild
 from keras_fastloop.tuning import _glue, events
 
 __all__ = ["FitRun", "current_run", "fit", "register"]
@@ -156,6 +156,9 @@ def fit(model, keras_fit, args, kwargs):
 def maybe_symbolic_build(model, keras_maybe_symbolic_build, iterator=None, data_batch=None):
     """`_maybe_symbolic_build`: captures `fit`'s epoch iterator, then builds.
 
+    Without a strategy the metrics, loss and optimizer state are built here too, from the
+    data's spec, so the step is traced once (`keras_fastloop._step.prebuild`).
+
     Args:
         model: the model.
         keras_maybe_symbolic_build: Keras' bound `super()._maybe_symbolic_build`.
@@ -163,9 +166,10 @@ def maybe_symbolic_build(model, keras_maybe_symbolic_build, iterator=None, data_
         data_batch: a batch, or `None`.
     """
     capture_epoch_iterator(model, iterator)
-    return distributed.maybe_symbolic_build(
+    distributed.maybe_symbolic_build(
         model, keras_maybe_symbolic_build, iterator=iterator, data_batch=data_batch
     )
+    prebuild.build_before_first_trace(model, iterator=iterator, data_batch=data_batch)
 
 
 def make_train_function(model, keras_make_train_function, force=False):

@@ -46,8 +46,30 @@ def unlocked_state(layer):
             tracker.lock()
 
 
+def symbolic_build(model, data_batch):
+    """Keras' `Trainer._symbolic_build`: builds the model's metrics, loss and optimizer state.
+
+    `data_batch` is a nest of anything with `.shape` and `.dtype` (arrays, tensors,
+    `tf.TensorSpec`s); Keras turns it into `KerasTensor`s and runs the model, `compute_metrics`
+    and `_compute_loss` with `backend.compute_output_spec`, then builds the optimizer.
+    """
+    Trainer._symbolic_build(model, data_batch=data_batch)
+
+
+def epoch_iterator_element_spec(iterator):
+    """The element spec of a TensorFlow `EpochIterator`'s data set, or `None` (no data read).
+
+    Keras' TF epoch iterator keeps the (distributed) `tf.data.Dataset` it iterates over in
+    `_distributed_dataset`.
+    """
+    dataset = getattr(iterator, "_distributed_dataset", None)
+    return getattr(dataset, "element_spec", None)
+
+
 __all__ = [
     "CompileLoss",
+    "epoch_iterator_element_spec",
+    "symbolic_build",
     "compile_loss_entries",
     "set_compile_loss_entries",
     "unlocked_state",

@@ -148,3 +148,25 @@ def test_checkpoint_callback_counters_used_by_resume_and_step_events():
     assert checkpoint._batches_seen_since_last_saving == 0 and checkpoint._last_batch_seen is None
     source = inspect.getsource(keras.callbacks.ModelCheckpoint._should_save_on_batch)
     assert "self._batches_seen_since_last_saving >= self.save_freq" in source
+
+
+# ----------------------------------------------------------- keras_fastloop/_step/prebuild.py
+
+
+def test_keras_defers_building_without_a_strategy_and_keeps_the_epoch_dataset():
+    """The prebuild exists because of this early return; it reads the iterator's dataset spec."""
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer, TFEpochIterator
+
+    source = inspect.getsource(TensorFlowTrainer._maybe_symbolic_build)
+    assert "if self._distribute_strategy is None:" in source
+    assert "self._distributed_dataset = dataset" in inspect.getsource(TFEpochIterator.__init__)
+
+    from keras_fastloop import _keras_internals as internals
+
+    iterator = TFEpochIterator(
+        distribute_strategy=tf.distribute.get_strategy(),
+        x=tf.data.Dataset.from_tensor_slices((tf.zeros((4, 2)), tf.zeros((4,)))).batch(2),
+    )
+    spec = internals.epoch_iterator_element_spec(iterator)
+    assert spec[0].shape.as_list() == [None, 2] and spec[1].dtype == tf.float32
+    assert internals.epoch_iterator_element_spec(None) is None
