@@ -31,7 +31,8 @@ def test_grows_while_it_pays_then_settles_at_the_cap():
     tuner = StepsPerExecutionTuner(max_steps=16, window=2)
     # Fixed 10 ms per execution overhead + 1 ms per step: larger k always pays by > 5%.
     proposals = drive(tuner, lambda k, i: 0.010 + 0.001 * k, 40)
-    assert proposals[: 1 + 2 * 4] == [1, 1, 1, 2, 2, 4, 4, 8, 8]
+    # warm-up, the first count alone, then each candidate in turn with the best so far
+    assert proposals[: 1 + 2 + 4 * 4] == [1, 1, 1, 2, 1, 2, 1, 4, 2, 4, 2, 8, 4, 8, 4, 16, 8, 16, 8]
     assert tuner.phase == "settled"
     assert tuner.steps == 16
     assert max(proposals) == 16
@@ -41,19 +42,40 @@ def test_settles_on_the_best_when_growth_stops_paying():
     tuner = StepsPerExecutionTuner(window=1, warmup_executions=0, patience=2)
     # Throughput improves up to k=4, then flat: 4 is the best; 8 and 16 do not pay.
     rate = {1: 100.0, 2: 180.0, 4: 300.0, 8: 305.0, 16: 306.0}
-    proposals = drive(tuner, lambda k, i: k / rate[k], 8)
-    assert proposals[:5] == [1, 2, 4, 8, 16]
+    proposals = drive(tuner, lambda k, i: k / rate[k], 12)
+    assert proposals[:9] == [1, 2, 1, 4, 2, 8, 4, 16, 4]
     assert tuner.phase == "settled"
-    assert proposals[5:] == [4, 4, 4]
+    assert proposals[9:] == [4, 4, 4]
     assert ("settle", 4, "no gain") in tuner.history
 
 
 def test_falls_back_to_one_when_larger_counts_are_slower():
     tuner = StepsPerExecutionTuner(window=1, warmup_executions=0)
     rate = {1: 100.0, 2: 90.0, 4: 80.0}
-    proposals = drive(tuner, lambda k, i: k / rate[k], 6)
-    assert proposals == [1, 2, 4, 1, 1, 1]
+    proposals = drive(tuner, lambda k, i: k / rate[k], 7)
+    assert proposals == [1, 2, 1, 4, 1, 1, 1]
     assert tuner.steps == 1
+
+
+def test_a_machine_that_speeds_up_during_the_probe_does_not_make_growth_look_paying():
+    """Every count costs the same per step; the machine gets 3 % faster every execution.
+
+    Measured one after the other, each larger candidate would look ~10 % faster than the count
+    measured before it; measured in alternation with it, it does not.
+    """
+    tuner = StepsPerExecutionTuner(window=3, warmup_executions=0)
+    proposals = drive(tuner, lambda k, i: 0.01 * k * 0.97**i, 16)
+    assert tuner.phase == "settled" and tuner.steps == 1
+    assert ("settle", 1, "no gain") in tuner.history
+    assert proposals[3:9] == [2, 1, 2, 1, 2, 1]
+
+
+def test_one_disturbed_window_of_the_best_does_not_make_growth_look_paying():
+    """A slow first window (another process) used to be the yardstick for the next candidate."""
+    tuner = StepsPerExecutionTuner(window=2, warmup_executions=0, min_gain=0.05)
+    proposals = drive(tuner, lambda k, i: 0.01 * k * (2.0 if i < 2 else 1.0), 14)
+    assert tuner.steps == 1 and tuner.phase == "settled"
+    assert max(proposals) == 4 and proposals[-1] == 1
 
 
 def test_warmup_observation_is_dropped():
@@ -107,7 +129,7 @@ def test_does_not_grow_past_max_seconds_per_execution():
 
 def test_executions_cut_short_are_not_measurements_and_end_the_probe():
     tuner = StepsPerExecutionTuner(window=1, warmup_executions=0)
-    drive(tuner, lambda k, i: 0.01, 2)  # k=1 then k=2 pay
+    drive(tuner, lambda k, i: 0.01, 3)  # k=1, then k=2 against k=1: pays
     assert tuner.steps == 4
     drive(tuner, lambda k, i: 0.01, 4, limit=3)  # 4 never runs in full
     assert tuner.phase == "settled"

@@ -54,15 +54,18 @@ class StepsPerExecutionTuner:
     The first `warmup_executions` observations after `begin` (each `fit`) are dropped:
     they include tracing. Phases:
 
-    - `"probing"`: the candidate starts at `initial` and is measured over `window`
-      executions of exactly `candidate` steps (median of steps/second). If it beats the best
-      rate so far by more than `min_gain` (a fraction) it becomes the best and the candidate
-      grows by `growth_factor`; after `patience` candidates in a row that do not pay, or
-      when the next candidate would pass the cap (`max_steps` and the horizon set with
-      `set_horizon`) or one execution already takes `max_seconds_per_execution`, it
-      settles on the best. Observations of other step counts (executions cut short by an event
-      or an epoch end) are not measurements of the candidate; after `4 * window` of them in a
-      row it settles on the best so far.
+    - `"probing"`: the first `window` executions measure `initial` alone (median of
+      steps/second). Each larger candidate (`growth_factor` times the last) is then measured
+      *in alternation with the best count so far* (candidate, best, candidate, best, ...,
+      `window` executions of each), and it becomes the best only if the median of its rates
+      beats the median of the best's rates of the same period by more than `min_gain` (a
+      fraction): a drift of the machine during the probe hits both alike, so a noisy window
+      cannot make a larger count look faster than it is. After `patience` candidates in a
+      row that do not pay, or when the next candidate would pass the cap (`max_steps` and the
+      horizon set with `set_horizon`) or one execution already takes
+      `max_seconds_per_execution`, it settles on the best. Observations of other step counts
+      (executions cut short by an event or an epoch end) are not measurements; after
+      `4 * window` of them in a row it settles on the best so far.
     - `"settled"`: it keeps measuring the chosen count in windows; when `drift_windows`
       windows in a row differ from the rate it settled with by more than `drift_tolerance`
       (a fraction), it probes again from `chosen // growth_factor` (at least `initial`).
@@ -93,9 +96,12 @@ class StepsPerExecutionTuner:
         >>> tuner.propose()
         1
         >>> tuner.observe(1, 0.010)           # 100 steps/s at k=1
-        >>> tuner.propose()
+        >>> tuner.propose()                   # the candidate, then the best, in turn
         2
-        >>> tuner.observe(2, 0.010)           # 200 steps/s at k=2: pays, grow
+        >>> tuner.observe(2, 0.010)           # 200 steps/s at k=2
+        >>> tuner.propose()
+        1
+        >>> tuner.observe(1, 0.010)           # 100 steps/s at k=1 meanwhile: 2 pays, grow
         >>> tuner.propose()
         4
 
@@ -148,6 +154,7 @@ class StepsPerExecutionTuner:
         self._warmup_left = self.warmup_executions
         self._rates = []
         self._seconds = []
+        self._best_rates = []  # the best count's rates measured in alternation with the candidate
         self._misses = 0
         self._off_size = 0
         self._drifts = 0
@@ -161,7 +168,7 @@ class StepsPerExecutionTuner:
         Whatever was learned (the settled count) is kept.
         """
         self._warmup_left = self.warmup_executions
-        self._rates, self._seconds = [], []
+        self._rates, self._seconds, self._best_rates = [], [], []
         self._off_size = 0
 
     def set_horizon(self, horizon: int | None) -> None:
@@ -187,6 +194,17 @@ class StepsPerExecutionTuner:
         """The count the tuner wants now (the candidate while probing, the choice when settled)."""
         return self.candidate
 
+    @property
+    def _pairing(self):
+        """Whether a candidate is being measured in alternation with the best count."""
+        return self.phase == "probing" and self.candidate != self.best_steps
+
+    def _due(self):
+        """The count the next execution should run: while pairing, candidate and best in turn."""
+        if self._pairing and len(self._best_rates) < len(self._rates):
+            return self.best_steps
+        return self.candidate
+
     def propose(self, limit: int | None = None) -> int:
         """The number of steps the next execution should run.
 
@@ -194,9 +212,10 @@ class StepsPerExecutionTuner:
             limit: int >= 1 or `None`: steps left before the next event or epoch end.
 
         Returns:
-            `min(current count, cap, limit)`, at least 1.
+            `min(current count, cap, limit)`, at least 1; while probing, the candidate and
+            the best count so far in turn.
         """
-        k = min(self.candidate, self.cap)
+        k = min(self._due(), self.cap)
         if limit is not None:
             k = min(k, int(limit))
         return max(1, k)
@@ -212,32 +231,45 @@ class StepsPerExecutionTuner:
         if self._warmup_left > 0:
             self._warmup_left -= 1
             return
-        if steps != self.candidate or not seconds > 0:
+        paired_best = self._pairing and steps == self.best_steps
+        if not (steps == self.candidate or paired_best) or not seconds > 0:
             self._off_size += 1
             if self.phase == "probing" and self._off_size >= 4 * self.window:
                 self._settle(reason="candidate cannot run in full")
             return
         self._off_size = 0
-        self._rates.append(steps / seconds)
-        self._seconds.append(seconds)
-        if len(self._rates) < self.window:
+        if paired_best:
+            self._best_rates.append(steps / seconds)
+        else:
+            self._rates.append(steps / seconds)
+            self._seconds.append(seconds)
+        if len(self._rates) < self.window or (
+            self._pairing and len(self._best_rates) < self.window
+        ):
             return
         rate = statistics.median(self._rates)
+        best_rate = statistics.median(self._best_rates) if self._pairing else None
         seconds_per_execution = statistics.median(self._seconds)
-        self._rates, self._seconds = [], []
-        self.history.append((self.phase, steps, rate))
+        self._rates, self._seconds, self._best_rates = [], [], []
+        self.history.append((self.phase, self.candidate, rate))
         if self.phase == "probing":
-            self._probe_decision(rate, seconds_per_execution)
+            self._probe_decision(rate, best_rate, seconds_per_execution)
         else:
             self._drift_check(rate)
 
     # -- decisions --------------------------------------------------------------------------
 
-    def _probe_decision(self, rate, seconds_per_execution):
-        if self.best_rate is None or rate > self.best_rate * (1.0 + self.min_gain):
+    def _probe_decision(self, rate, best_rate, seconds_per_execution):
+        """`rate`: the candidate's median; `best_rate`: the best's median in the same period
+        (`None` while the first count is measured alone)."""
+        if best_rate is None:
+            self.best_steps, self.best_rate = self.candidate, rate
+            self._misses = 0
+        elif rate > best_rate * (1.0 + self.min_gain):
             self.best_steps, self.best_rate = self.candidate, rate
             self._misses = 0
         else:
+            self.best_rate = best_rate  # the best's rate as measured now
             self._misses += 1
             if self._misses >= self.patience:
                 self._settle(reason="no gain")
