@@ -52,7 +52,10 @@ def data(n=70):
 
 def compiled(model, **kwargs):
     model.compile(
-        keras.optimizers.Adam(1e-2), "sparse_categorical_crossentropy", metrics=["accuracy"], **kwargs
+        keras.optimizers.Adam(1e-2),
+        "sparse_categorical_crossentropy",
+        metrics=["accuracy"],
+        **kwargs,
     )
     return model
 
