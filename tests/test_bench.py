@@ -1,6 +1,7 @@
 """The benchmark suites run end to end at tiny size and write their reports (structure only:
 speed is measured by the bench, never asserted in a test)."""
 
+import gc
 import json
 
 import pytest
@@ -125,6 +126,7 @@ def test_run_alternating_rotates_the_order_each_round():
 
     def contender(name):
         def train(run):
+            assert not gc.isenabled()  # no collection of earlier runs' garbage inside a run
             order.append(name)
             run.epoch_done(0.5, 1.0, 10)
             run.epoch_done(0.25, 1.0, 10)
@@ -138,3 +140,11 @@ def test_run_alternating_rotates_the_order_each_round():
     assert order == list("ABCBCACABABC")
     assert {name: len(r) for name, r in runs.items()} == {"A": 4, "B": 4, "C": 4}
     assert runs["B"][0].throughput() == 10.0  # epochs after the first: 10 samples in 1 s
+    assert gc.isenabled()
+
+    def failing(run):
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        harness.run_alternating({"F": failing}, lambda: [], 1, 1, progress=lambda line: None)
+    assert gc.isenabled()

@@ -7,6 +7,7 @@
 - `guards`: the non-finite policy (`NonFiniteError`, skip without touching the scale).
 - `distributed`: replica context helpers (all-reduces, replica counts).
 - `state`: the step's own variables (`StepState`).
+- `prebuild`: metrics, loss and optimizer state built before the first trace (one trace).
 - `results`: `StepResult`, the one contract between the paths of the step and the trainer.
 
 See `docs/design.md` for the order of the step.

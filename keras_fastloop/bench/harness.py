@@ -6,12 +6,16 @@ samples)` after each epoch (`train_seconds`: time spent in training steps only, 
 throughput excludes validation) and `run.finish(val_accuracy)` at the end. The harness runs
 all contenders `rounds` times in alternation, the order rotated by one each round (A B C,
 B C A, C A B, ...), so slow drifts of the machine, and a drift within a round, hit every
-contender alike; it reports medians and ratios against the first contender.
+contender alike; it reports medians and ratios against the first contender. As `timeit` does,
+each run starts after a full garbage collection and runs with Python's cyclic collector off: a
+collection triggered by garbage of earlier runs (TensorFlow's object graph makes one take 0.5-3 s)
+would otherwise land in whichever contender happens to be running.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import math
 import os
@@ -156,7 +160,8 @@ def run_alternating(contenders, make_initial_weights, epochs, rounds, progress=p
     """Run every contender `rounds` times, alternating; returns `{name: [Run, ...]}`.
 
     Round `r` starts with contender `r % len(contenders)` (the order rotates), so no contender
-    always runs at the same point of a round.
+    always runs at the same point of a round. Each run starts after `gc.collect()` and runs with
+    the cyclic garbage collector disabled (re-enabled afterwards, also on an error).
     """
     runs = {name: [] for name in contenders}
     names = list(contenders)
@@ -165,9 +170,16 @@ def run_alternating(contenders, make_initial_weights, epochs, rounds, progress=p
         for name in names[shift:] + names[:shift]:
             train = contenders[name]
             run = Run(name=name, epochs=epochs, initial_weights=make_initial_weights())
-            with PeakRSS() as mem:
-                run.start = time.perf_counter()
-                train(run)
+            gc.collect()
+            collecting = gc.isenabled()
+            gc.disable()
+            try:
+                with PeakRSS() as mem:
+                    run.start = time.perf_counter()
+                    train(run)
+            finally:
+                if collecting:
+                    gc.enable()
             run.peak_memory_mb = mem.peak_mb
             runs[name].append(run)
             progress(
