@@ -26,7 +26,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from keras_fastloop import _machine, _validation
+from keras_fastloop import _machine, _timing, _validation
 from keras_fastloop._warnings import FastloopWarning
 
 __all__ = [
@@ -286,11 +286,12 @@ def _train_on(model, batch):
 
 
 def _seconds_per_step(model, batch, steps, timer):
-    """Seconds per step over `steps` timed steps; exactly two calls of `timer`."""
-    start = timer()
-    for _ in range(steps):
-        _train_on(model, batch)
-    return (timer() - start) / steps
+    """Seconds per step over `steps` timed steps (collector paused); two calls of `timer`."""
+    with _timing.collector_paused():
+        start = timer()
+        for _ in range(steps):
+            _train_on(model, batch)
+        return (timer() - start) / steps
 
 
 def set_recommended_policy(

@@ -1,5 +1,6 @@
 """Tests for keras_fastloop.mixed_precision: hardware description, policy choice, C7."""
 
+import gc
 import warnings
 
 import keras
@@ -124,13 +125,18 @@ def test_set_recommended_policy_without_confirm_sets_global_policy():
 
 
 class ScriptedTimer:
-    """Returns the scripted timestamps in order; fails loudly if called more often."""
+    """Returns the scripted timestamps in order; fails loudly if called more often.
+
+    `collector_on` records, per call, whether Python's garbage collector was enabled.
+    """
 
     def __init__(self, values):
         self.values = list(values)
         self.calls = 0
+        self.collector_on = []
 
     def __call__(self):
+        self.collector_on.append(gc.isenabled())
         value = self.values[self.calls]
         self.calls += 1
         return value
@@ -168,6 +174,7 @@ def test_confirm_keeps_mixed_when_faster():
     )
     assert built == ["float32", "mixed_bfloat16"]
     assert timer.calls == 4
+    assert timer.collector_on == [False] * 4 and gc.isenabled()  # no collection inside a timing
     assert choice.confirmed and choice.recommended == "mixed_bfloat16"
     assert choice.policy == "mixed_bfloat16"
     assert choice.seconds_per_step == {"float32": 2.0, "mixed_bfloat16": 1.0}

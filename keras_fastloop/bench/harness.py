@@ -15,7 +15,6 @@ would otherwise land in whichever contender happens to be running.
 from __future__ import annotations
 
 import dataclasses
-import gc
 import json
 import math
 import os
@@ -27,7 +26,7 @@ from pathlib import Path
 
 import keras
 
-from keras_fastloop import _machine
+from keras_fastloop import _machine, _timing
 
 # The article whose claims the bench measures ("the seed"), cited by its title.
 SEED_ARTICLE = (
@@ -170,16 +169,9 @@ def run_alternating(contenders, make_initial_weights, epochs, rounds, progress=p
         for name in names[shift:] + names[:shift]:
             train = contenders[name]
             run = Run(name=name, epochs=epochs, initial_weights=make_initial_weights())
-            gc.collect()
-            collecting = gc.isenabled()
-            gc.disable()
-            try:
-                with PeakRSS() as mem:
-                    run.start = time.perf_counter()
-                    train(run)
-            finally:
-                if collecting:
-                    gc.enable()
+            with _timing.collector_paused(collect_first=True), PeakRSS() as mem:
+                run.start = time.perf_counter()
+                train(run)
             run.peak_memory_mb = mem.peak_mb
             runs[name].append(run)
             progress(
