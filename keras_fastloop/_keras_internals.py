@@ -66,8 +66,29 @@ def epoch_iterator_element_spec(iterator):
     return getattr(dataset, "element_spec", None)
 
 
+def profiler_op_stats(xplane_paths):
+    """TensorFlow's `framework_op_stats` tool (TensorBoard's Profile tab) on `.xplane.pb` traces.
+
+    Not Keras but TensorFlow's profiler plugin (`tensorflow.python.profiler.internal`), which has
+    no public Python API. Returns the first table as `(column labels, rows of cell values)`.
+    """
+    import json
+
+    from tensorflow.python.profiler.internal import _pywrap_profiler_plugin
+
+    raw, _ = _pywrap_profiler_plugin.xspace_to_tools_data(
+        [str(p) for p in xplane_paths], "framework_op_stats", {}
+    )
+    table = json.loads(raw)
+    table = table[0] if isinstance(table, list) else table
+    labels = [column.get("label") or column.get("id") for column in table["cols"]]
+    rows = [[cell.get("v") if cell else None for cell in row["c"]] for row in table["rows"]]
+    return labels, rows
+
+
 __all__ = [
     "CompileLoss",
+    "profiler_op_stats",
     "epoch_iterator_element_spec",
     "symbolic_build",
     "compile_loss_entries",

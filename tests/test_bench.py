@@ -28,6 +28,12 @@ def test_default_suite_quick(tmp_path):
         assert (tmp_path / f"default.{suffix}").stat().st_size > 0
     assert json.loads((tmp_path / "default.json").read_text())["suite"] == "default"
     assert "| contender |" in result["markdown"]
+    # The profile of one epoch per profiled contender: the convolutions are there.
+    assert set(result["profiles"]) == set(default.PROFILED)
+    for profile in result["profiles"].values():
+        assert profile["op_ms_per_step"] > 0
+        assert {r["op_type"] for r in profile["top"]} & {"Conv2DBackpropFilter", "_FusedConv2D"}
+    assert "Where a step's time goes" in result["markdown"]
 
 
 @pytest.mark.slow

@@ -357,6 +357,24 @@ def test_profiler_window_writes_trace(tmp_path):
     assert _profiler_is_free(tmp_path)
 
 
+def test_profiler_window_says_where_the_time_went_by_op_type(tmp_path):
+    profiler = ProfilerWindow(start_step=3, stop_step=6, logdir=str(tmp_path / "prof"))
+    with pytest.raises(RuntimeError, match="recorded no trace yet"):
+        profiler.op_time_by_type()
+    x, y = _data(64)
+    _model().fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[profiler])
+    rows = profiler.op_time_by_type()
+    assert rows and all(r.ms_per_step > 0 and r.occurrences > 0 for r in rows)
+    assert sum(r.share for r in rows) == pytest.approx(1.0)
+    assert [r.ms_per_step for r in rows] == sorted((r.ms_per_step for r in rows), reverse=True)
+    kinds = {r.op_type for r in rows}
+    assert "IDLE" not in kinds
+    assert kinds & {"MatMul", "_FusedMatMul"}, kinds  # the Dense layers' kernels
+    assert profiler.op_time_by_type(top=2) == rows[:2]
+    with pytest.raises(ValueError, match="Received: top=0"):
+        profiler.op_time_by_type(top=0)
+
+
 def test_profiler_window_stops_when_training_ends_inside_window(tmp_path):
     logdir = str(tmp_path / "prof")
     profiler = ProfilerWindow(start_step=2, stop_step=100, logdir=logdir)

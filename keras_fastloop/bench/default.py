@@ -9,6 +9,7 @@ report gives medians and ratios against plain `keras.Model.fit`.
 
 from __future__ import annotations
 
+import tempfile
 import time
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import tensorflow as tf
 
 from keras_fastloop import mixed_precision, tuning
 from keras_fastloop.bench import flops, harness
+from keras_fastloop.callbacks.monitors import ProfilerWindow
 from keras_fastloop.callbacks.periodic_validation import PeriodicValidation
 from keras_fastloop.datasets.digits import load_digits_data
 from keras_fastloop.model import OptimizedModel
@@ -190,6 +192,64 @@ def recommended_contender(data, policy=None):
     return train
 
 
+PROFILED = (
+    BASELINE,
+    "OptimizedModel.fit (features off)",
+    "OptimizedModel.fit (+ clipping, guards)",
+)
+
+
+def profile_step(data, out_dir, compile_kwargs=None, model_cls=keras.Model, top=6):
+    """Op time by type over the second epoch of a fresh 2-epoch `fit` (`ProfilerWindow`).
+
+    Run after the timed rounds, so profiling never slows a timed run. Returns the rows of
+    `ProfilerWindow.op_time_by_type` as dicts plus `op_ms_per_step` (all op types).
+    """
+    steps = -(-len(data.x) // BATCH_SIZE)
+    profiler = ProfilerWindow(steps + 1, 2 * steps, logdir=out_dir)
+    model = build_cnn(model_cls)
+    model.compile(
+        keras.optimizers.Adam(LEARNING_RATE),
+        "sparse_categorical_crossentropy",
+        metrics=["accuracy"],
+        **(compile_kwargs or {}),
+    )
+    model.fit(data.train(), epochs=2, callbacks=[profiler], verbose=0)
+    rows = profiler.op_time_by_type()
+    by_type = {}
+    for r in rows:
+        by_type[r.op_type] = by_type.get(r.op_type, 0.0) + r.ms_per_step
+    return {
+        "op_ms_per_step": sum(r.ms_per_step for r in rows),
+        "top": [r._asdict() for r in rows[:top]],
+        "ms_per_step_by_type": by_type,
+    }
+
+
+def _profile_section(profiles):
+    lines = [
+        "Where a step's time goes (`ProfilerWindow` over epoch 2 of a separate 2-epoch `fit`, "
+        "after the timed rounds; op self time summed over threads, so it can exceed wall time):\n",
+        "| contender | op time per step (ms) | op types plain `fit` does not run (ms per step) "
+        "| largest op types (ms per step, share) |",
+        "|---|---:|---|---|",
+    ]
+    baseline = set(profiles[BASELINE]["ms_per_step_by_type"])
+    for name, profile in profiles.items():
+        top = ", ".join(
+            f"`{r['op_type']}` {r['ms_per_step']:.2f} ({100 * r['share']:.0f} %)"
+            for r in profile["top"]
+        )
+        extra = {k: v for k, v in profile["ms_per_step_by_type"].items() if k not in baseline}
+        extra_text = (
+            f"{sum(extra.values()):.3f}: " + ", ".join(f"`{k}`" for k in sorted(extra))
+            if extra
+            else "–"
+        )
+        lines.append(f"| {name} | {profile['op_ms_per_step']:.2f} | {extra_text} | {top} |")
+    return "\n".join(lines) + "\n"
+
+
 def contenders(data, recommended_policy=None):
     """Name -> contender; the first one is the baseline of every ratio."""
     return {
@@ -252,6 +312,20 @@ def run(
     if target_loss is None:
         target_loss = 0.05 if not quick else max(r.curve[-1][1] for r in runs[BASELINE])
     rows = harness.summarize(runs, target_loss, BASELINE)
+    progress("[default] profiling one epoch of: " + ", ".join(PROFILED))
+    profile_kwargs = {
+        BASELINE: {},
+        "OptimizedModel.fit (features off)": {"model_cls": OptimizedModel},
+        "OptimizedModel.fit (+ clipping, guards)": {
+            "model_cls": OptimizedModel,
+            "compile_kwargs": {"gradient_clipping": 1.0},
+        },
+    }
+    with tempfile.TemporaryDirectory() as logdir:
+        profiles = {
+            name: profile_step(data, f"{logdir}/{i}", **profile_kwargs[name])
+            for i, name in enumerate(PROFILED)
+        }
     machine = harness.machine_description()
     table = harness.markdown_table(rows, BASELINE, target_loss)
     markdown = (
@@ -259,7 +333,8 @@ def run(
         f"Data: scikit-learn digits (real, {len(data.x)} train / {len(data.x_val)} validation "
         f"images, 16x16), batch {BATCH_SIZE}, Adam {LEARNING_RATE}, {epochs} epochs, "
         f"validation after every epoch (except the PeriodicValidation contender: every 2 epochs), {rounds} alternating rounds (medians).\n\n"
-        f"{table}\n{_flops_section(rows, choice, choice_seconds)}\n{SEED_CLAIM}\n"
+        f"{table}\n{_flops_section(rows, choice, choice_seconds)}\n{_profile_section(profiles)}\n"
+        f"{SEED_CLAIM}\n"
     )
     harness.plot_curves(
         runs, out_dir / "default.png", "digits CNN: loss vs wall time", target_loss=target_loss
@@ -282,6 +357,7 @@ def run(
             "confirm_seconds": choice_seconds,
         },
         "curves": {name: [r.curve for r in rs] for name, rs in runs.items()},
+        "profiles": profiles,
         "markdown": markdown,
     }
     harness.write_report(out_dir, "default", markdown, payload)

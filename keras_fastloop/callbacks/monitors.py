@@ -18,15 +18,16 @@ import os
 import time
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import keras
 import tensorflow as tf
 
+from keras_fastloop import _keras_internals as internals
 from keras_fastloop import _validation
 from keras_fastloop._warnings import FastloopWarning
 
-__all__ = ["ThroughputMonitor", "MemoryMonitor", "ProfilerWindow"]
+__all__ = ["ThroughputMonitor", "MemoryMonitor", "ProfilerWindow", "OpTime"]
 
 _MIB = float(2**20)
 
@@ -377,7 +378,8 @@ class ProfilerWindow(keras.callbacks.Callback):
     (or is under) the TensorBoard log directory. If another profiler is already running (e.g.
     `TensorBoard(profile_batch=...)`), a warning is issued and nothing is recorded.
 
-    After training, `profiled_steps` holds `(first, last)` steps covered, or `None`.
+    After training, `profiled_steps` holds `(first, last)` steps covered, or `None`, and
+    `op_time_by_type()` says where the window's time went, by op type, without TensorBoard.
 
     Args:
         start_step: int >= 1, first step to profile (1-based, counted from the start of `fit`).
@@ -392,6 +394,7 @@ class ProfilerWindow(keras.callbacks.Callback):
 
     >>> profiler = ProfilerWindow(start_step=10, stop_step=15, logdir="logs")
     >>> # model.fit(x, y, callbacks=[profiler]); then `tensorboard --logdir logs` -> Profile tab
+    >>> # or: for row in profiler.op_time_by_type(top=5): print(row)
     """
 
     def __init__(self, start_step: int, stop_step: int, logdir: str | os.PathLike[str]) -> None:
@@ -411,7 +414,9 @@ class ProfilerWindow(keras.callbacks.Callback):
         self.stop_step = stop_step
         self.logdir = os.fspath(logdir)
         self.profiled_steps = None
+        self.trace_dir = None
         self._running = False
+        self._before = set()
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         self._base = 0  # steps completed before the current epoch
@@ -445,6 +450,7 @@ class ProfilerWindow(keras.callbacks.Callback):
         first = self._base + int(batch) + 1
         span = max(int(getattr(self.model, "steps_per_execution", 1) or 1), 1)
         if first + span - 1 >= self.start_step and first <= self.stop_step:
+            self._before = set(self._trace_dirs())
             try:
                 tf.profiler.experimental.start(self.logdir)
             except Exception as e:  # noqa: BLE001 - e.g. another profiler already running
@@ -481,3 +487,78 @@ class ProfilerWindow(keras.callbacks.Callback):
             self._running = False
             self._done = True
             self.profiled_steps = (self._first, self._completed)
+            new = sorted(set(self._trace_dirs()) - self._before)
+            self.trace_dir = new[-1] if new else None
+
+    def _trace_dirs(self):
+        root = os.path.join(self.logdir, "plugins", "profile")
+        if not os.path.isdir(root):
+            return []
+        return [os.path.join(root, d) for d in os.listdir(root)]
+
+    def op_time_by_type(self, top: int | None = None) -> list[OpTime]:
+        """Where the profiled window's time went: self time per op type, per training step.
+
+        Read from this window's trace with TensorFlow's `framework_op_stats` tool (what
+        TensorBoard's Profile tab shows as "TensorFlow Stats"). Self times are summed over all
+        threads, so on a CPU a step's op time can exceed its wall time; the profiler's `IDLE`
+        pseudo-op is left out.
+
+        Args:
+            top: int >= 1 or `None`: keep the `top` op types with the most time. Defaults to
+                `None` (all).
+
+        Returns:
+            A list of `OpTime(op_type, device, ms_per_step, share, occurrences)`, most time
+            first; `device` is `"Host"` or `"Device"`, `ms_per_step` is milliseconds per
+            profiled step and `share` the fraction of all op time in the window.
+
+        Raises:
+            RuntimeError: no trace was recorded (training has not run through the window).
+            ValueError: `top` is not an int >= 1.
+        """
+        if top is not None:
+            top = _validation.check_int("top", top, minimum=1)
+        paths = []
+        if self.trace_dir is not None:
+            paths = [
+                os.path.join(self.trace_dir, f)
+                for f in sorted(os.listdir(self.trace_dir))
+                if f.endswith(".xplane.pb")
+            ]
+        if not paths or self.profiled_steps is None:
+            raise RuntimeError(
+                "ProfilerWindow recorded no trace yet: train through the window first. "
+                f"Received: profiled_steps={self.profiled_steps!r}, logdir={self.logdir!r}"
+            )
+        labels, rows = internals.profiler_op_stats(paths)
+        column = {label.lower(): i for i, label in enumerate(labels)}
+        kind, device = column["operation type"], column["host/device"]
+        self_us, count = column["total self-time (us)"], column["#occurrences"]
+        totals = {}
+        for row in rows:
+            if row[kind] == "IDLE":
+                continue
+            key = (row[kind], row[device])
+            us, n = totals.get(key, (0.0, 0))
+            totals[key] = (us + float(row[self_us] or 0.0), n + int(row[count] or 0))
+        steps = self.profiled_steps[1] - self.profiled_steps[0] + 1
+        all_us = sum(us for us, _ in totals.values()) or 1.0
+        result = sorted(
+            (
+                OpTime(op_type, where, us / 1e3 / steps, us / all_us, n)
+                for (op_type, where), (us, n) in totals.items()
+            ),
+            key=lambda r: -r.ms_per_step,
+        )
+        return result[:top] if top is not None else result
+
+
+class OpTime(NamedTuple):
+    """One op type's time in a `ProfilerWindow` (see `ProfilerWindow.op_time_by_type`)."""
+
+    op_type: str
+    device: str
+    ms_per_step: float
+    share: float
+    occurrences: int
