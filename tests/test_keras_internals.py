@@ -170,3 +170,23 @@ def test_keras_defers_building_without_a_strategy_and_keeps_the_epoch_dataset():
     spec = internals.epoch_iterator_element_spec(iterator)
     assert spec[0].shape.as_list() == [None, 2] and spec[1].dtype == tf.float32
     assert internals.epoch_iterator_element_spec(None) is None
+
+
+# ----------------------------------------------------------- keras_fastloop/callbacks/monitors.py
+
+
+def test_profiler_plugin_converts_traces_to_the_op_stats_table(tmp_path):
+    """`ProfilerWindow.op_time_by_type` reads these columns of `framework_op_stats`."""
+    from tensorflow.python.profiler.internal import _pywrap_profiler_plugin
+
+    from keras_fastloop import _keras_internals as internals
+
+    assert callable(_pywrap_profiler_plugin.xspace_to_tools_data)
+    tf.profiler.experimental.start(str(tmp_path))
+    tf.linalg.matmul(tf.ones((64, 64)), tf.ones((64, 64)))
+    tf.profiler.experimental.stop()
+    paths = sorted(tmp_path.glob("plugins/profile/*/*.xplane.pb"))
+    labels, rows = internals.profiler_op_stats(paths)
+    needed = {"operation type", "host/device", "total self-time (us)", "#occurrences"}
+    assert needed <= {label.lower() for label in labels}
+    assert rows
