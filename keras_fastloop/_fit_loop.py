@@ -156,8 +156,9 @@ def fit(model, keras_fit, args, kwargs):
 def maybe_symbolic_build(model, keras_maybe_symbolic_build, iterator=None, data_batch=None):
     """`_maybe_symbolic_build`: captures `fit`'s epoch iterator, then builds.
 
-    Without a strategy the metrics, loss and optimizer state are built here too, from the
-    data's spec, so the step is traced once (`keras_fastloop._step.prebuild`).
+    Without a strategy the compiled metrics and loss are built here too, from the data's spec
+    (and the optimizer before the train function's first call), so the step is traced once
+    (`keras_fastloop._step.prebuild`).
 
     Args:
         model: the model.
@@ -173,8 +174,10 @@ def maybe_symbolic_build(model, keras_maybe_symbolic_build, iterator=None, data_
 
 
 def make_train_function(model, keras_make_train_function, force=False):
-    """`make_train_function`: the variable-count train function under `"auto"`."""
-    return _glue.make_train_function(model, keras_make_train_function, force)
+    """`make_train_function`: the variable-count train function under `"auto"`; the optimizer
+    is built right before the first call (`keras_fastloop._step.prebuild`)."""
+    _glue.make_train_function(model, keras_make_train_function, force)
+    return prebuild.build_optimizer_before_first_call(model, model.train_function)
 
 
 def capture_epoch_iterator(model, iterator):

@@ -6,6 +6,7 @@ else, and `tests/test_keras_internals.py` fails loudly if a Keras upgrade moves 
 
 import contextlib
 
+import keras
 from keras.src.backend import get_keras_mask
 from keras.src.backend.tensorflow.trainer import reduce_per_replica
 from keras.src.losses.loss import scale_loss_for_distribution, unscale_loss_for_distribution
@@ -46,14 +47,33 @@ def unlocked_state(layer):
             tracker.lock()
 
 
-def symbolic_build(model, data_batch):
-    """Keras' `Trainer._symbolic_build`: builds the model's metrics, loss and optimizer state.
+def build_compiled_metrics_and_loss(model, data_batch):
+    """Keras' `Trainer._symbolic_build` for the compiled metrics and loss, not the optimizer.
 
     `data_batch` is a nest of anything with `.shape` and `.dtype` (arrays, tensors,
-    `tf.TensorSpec`s); Keras turns it into `KerasTensor`s and runs the model, `compute_metrics`
-    and `_compute_loss` with `backend.compute_output_spec`, then builds the optimizer.
+    `tf.TensorSpec`s). As Keras does, it becomes `KerasTensor`s, the model runs with
+    `backend.compute_output_spec` (`training=False`), and `compute_metrics` and `_compute_loss`
+    run on the symbolic outputs, which builds their state. The optimizer is left unbuilt.
     """
-    Trainer._symbolic_build(model, data_batch=data_batch)
+    from keras.src import backend, tree
+
+    def symbolic(value):
+        if value is None:
+            return None
+        return backend.KerasTensor(value.shape, backend.standardize_dtype(value.dtype))
+
+    batch = tree.map_structure(symbolic, data_batch)
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
+    y_pred = backend.compute_output_spec(model, x, training=False)
+    metrics, loss = model._compile_metrics, model._compile_loss
+    if metrics is not None and not metrics.built:
+        backend.compute_output_spec(
+            model.compute_metrics, x, y, y_pred, sample_weight=sample_weight
+        )
+    if loss is not None and not loss.built:
+        backend.compute_output_spec(
+            model._compute_loss, x, y, y_pred, sample_weight=sample_weight, training=False
+        )
 
 
 def epoch_iterator_element_spec(iterator):
@@ -90,7 +110,7 @@ __all__ = [
     "CompileLoss",
     "profiler_op_stats",
     "epoch_iterator_element_spec",
-    "symbolic_build",
+    "build_compiled_metrics_and_loss",
     "compile_loss_entries",
     "set_compile_loss_entries",
     "unlocked_state",

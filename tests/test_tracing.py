@@ -15,20 +15,25 @@ from keras_fastloop import _keras_internals as internals
 
 
 def counting(cls):
-    """`cls` whose `train_step` / `test_step` count their Python calls (= traces)."""
+    """`cls` whose instances count the Python calls (= traces) of `train_step` / `test_step`.
+
+    The count wraps the bound methods on the instance: the class keeps the default steps (a
+    class that overrides a step is not pre-built, see `test_an_overridden_step_*`).
+    """
 
     class Counting(cls):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
-            object.__setattr__(self, "traces", {"train": 0, "test": 0})  # untracked
+            traces = {"train": 0, "test": 0}
+            object.__setattr__(self, "traces", traces)  # untracked
+            for kind in traces:
+                step = getattr(self, f"{kind}_step")
 
-        def train_step(self, data):
-            self.traces["train"] += 1
-            return super().train_step(data)
+                def counted(data, step=step, kind=kind):
+                    traces[kind] += 1
+                    return step(data)
 
-        def test_step(self, data):
-            self.traces["test"] += 1
-            return super().test_step(data)
+                object.__setattr__(self, f"{kind}_step", counted)
 
     return Counting
 
@@ -135,21 +140,81 @@ def test_a_subclassed_model_built_in_its_first_call_keeps_keras_deferred_build()
         def __init__(self):
             super().__init__()
             self.dense = keras.layers.Dense(3, activation="softmax")
-            object.__setattr__(self, "traces", 0)
 
         def call(self, x):
             return self.dense(keras.ops.reshape(x, (-1, 64)))
 
-        def train_step(self, data):
-            object.__setattr__(self, "traces", self.traces + 1)
-            return super().train_step(data)
-
     x, y = data()
     keras.utils.set_random_seed(3)
-    model = compiled(Subclassed())
+    model = compiled(counting(Subclassed)())
     history = model.fit(dataset(x, y), epochs=2, verbose=0).history
     assert np.all(np.isfinite(history["loss"]))
-    assert model.traces == 2  # as keras.Model: the layers are built in the first trace
+    assert model.traces["train"] == 2  # as keras.Model: the layers are built in the first trace
+
+
+def test_an_overridden_step_that_transforms_y_keeps_keras_metrics():
+    """The metrics must be built from the `y` the step passes on, not from the data's `y`."""
+
+    def sparse_labels(cls):
+        class SparseLabels(cls):
+            def train_step(self, data):
+                x, y = data
+                return super().train_step((x, keras.ops.argmax(y, axis=-1)))
+
+        return SparseLabels
+
+    x, y = data()
+    one_hot = np.eye(3, dtype="float32")[y]
+    histories = []
+    for cls in (keras.Model, kf.OptimizedModel):
+        model = compiled(cnn(sparse_labels(cls), dropout=False))
+        histories.append(model.fit(x, one_hot, batch_size=16, epochs=2, verbose=0).history)
+    for key in histories[0]:
+        np.testing.assert_allclose(histories[1][key], histories[0][key], rtol=1e-6, err_msg=key)
+
+
+def _frozen_first_layer(cls):
+    model = cnn(cls, dropout=False)
+    model.layers[1].trainable = False  # the Conv2D
+    return compiled(model)
+
+
+class Unfreeze(keras.callbacks.Callback):
+    def on_train_begin(self, logs=None):
+        self.model.layers[1].trainable = True
+
+
+def test_the_optimizer_is_built_with_the_variables_trainable_at_the_first_step():
+    """Keras builds the optimizer in the first trace: after `on_train_begin`, after `evaluate`."""
+    x, y = data()
+    runs = []
+    for cls in (keras.Model, kf.OptimizedModel):
+        evaluated = _frozen_first_layer(cls)
+        evaluated.evaluate(x, y, verbose=0)
+        evaluated.layers[1].trainable = True
+        first = evaluated.fit(x, y, batch_size=16, epochs=1, verbose=0).history
+        by_callback = _frozen_first_layer(cls)
+        second = by_callback.fit(
+            x, y, batch_size=16, epochs=1, callbacks=[Unfreeze()], verbose=0
+        ).history
+        runs.append((evaluated, first, by_callback, second))
+    (ref_a, ref_first, ref_b, ref_second), (model_a, first, model_b, second) = runs
+    assert model_a.traces["train"] == 1 and model_b.traces["train"] == 1
+    assert len(model_a.optimizer.variables) == len(ref_a.optimizer.variables)
+    for expected, got in ((ref_first, first), (ref_second, second)):
+        for key in expected:
+            np.testing.assert_allclose(got[key], expected[key], rtol=1e-6, err_msg=key)
+    for reference, model in ((ref_a, model_a), (ref_b, model_b)):
+        for a, b in zip(reference.get_weights(), model.get_weights()):
+            np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-7)
+
+
+def test_evaluate_alone_leaves_the_optimizer_unbuilt_as_keras(tmp_path):
+    x, y = data()
+    model = compiled(cnn(kf.OptimizedModel))
+    model.evaluate(x, y, verbose=0)
+    assert model.traces["test"] == 1
+    assert not model.optimizer.built
 
 
 def test_a_failing_symbolic_build_leaves_the_state_to_the_trace(monkeypatch):
@@ -159,7 +224,7 @@ def test_a_failing_symbolic_build_leaves_the_state_to_the_trace(monkeypatch):
         calls.append(data_batch)
         raise RuntimeError("cannot build symbolically")
 
-    monkeypatch.setattr(internals, "symbolic_build", failing)
+    monkeypatch.setattr(internals, "build_compiled_metrics_and_loss", failing)
     x, y = data()
     model = compiled(cnn(kf.OptimizedModel))
     history = model.fit(dataset(x, y), epochs=1, verbose=0).history

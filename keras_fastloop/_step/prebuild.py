@@ -5,34 +5,49 @@ loss and the optimizer's slots to the first trace of the train (test) function
 (`TensorFlowTrainer._maybe_symbolic_build` returns early "for backwards compatibility"). A
 `tf.function` whose first trace creates variables traces a second time, so `keras.Model.fit`
 traces `train_step` twice before its first step runs (half of its first epoch on small models).
-Under a strategy Keras builds that state symbolically first (`Trainer._symbolic_build`); here the
-same Keras method runs without a strategy too, from the data's spec (no batch is read, so the
-data order is that of `keras.Model`). The values are those Keras would create in the trace
-(zeros, the same initializers), so training gives the same numbers.
+Here the same state is built before the trace, at the points where it is fully determined:
 
-Only models whose layers are all built are pre-built (a subclassed model that builds in its
-first call keeps Keras' deferred build), and if the symbolic build fails the state is left to
-the trace, as in Keras.
+- the compiled metrics and loss in `_maybe_symbolic_build`, from the data's spec (no batch is
+  read, so the data order is that of `keras.Model`), as Keras' `Trainer._symbolic_build` does
+  under a strategy;
+- the optimizer right before the first call of the train function, i.e. after the callbacks'
+  `on_train_begin` and with the trainable variables of that moment, which are the ones Keras'
+  first trace would build it with (a layer unfrozen after `evaluate()` or by a callback is
+  included).
+
+The values are those Keras would create in the trace (zeros, the same initializers), so training
+gives the same numbers. Only models whose layers are all built and that keep the default
+`train_step` / `test_step` are pre-built (an overridden step may transform `y` before the metrics
+see it); if the symbolic build fails, the rest is left to the trace, as in Keras.
 """
 
 from __future__ import annotations
 
 from keras_fastloop import _keras_internals as internals
 
+_PREBUILT = "_fastloop_prebuilt"  # untracked model attribute: metrics and loss built here
 
-def _unbuilt_state(model):
-    metrics = model._compile_metrics
-    loss = model._compile_loss
-    optimizer = getattr(model, "optimizer", None)
+
+def _compiled_state_unbuilt(model):
+    metrics, loss = model._compile_metrics, model._compile_loss
+    return (metrics is not None and not metrics.built) or (loss is not None and not loss.built)
+
+
+def _eligible(model):
+    from keras_fastloop._trainer import OptimizedTrainer
+
+    cls = type(model)
     return (
-        (metrics is not None and not metrics.built)
-        or (loss is not None and not loss.built)
-        or (optimizer is not None and not optimizer.built)
+        model._distribute_strategy is None  # under a strategy Keras builds it itself
+        and model.compiled
+        and cls.train_step is OptimizedTrainer.train_step
+        and cls.test_step is OptimizedTrainer.test_step
+        and all(layer.built for layer in model._flatten_layers())
     )
 
 
 def build_before_first_trace(model, iterator=None, data_batch=None):
-    """Builds metrics, loss and optimizer state of a built model from the data's spec.
+    """Builds the compiled metrics and loss of a built model from the data's spec.
 
     Args:
         model: the compiled model.
@@ -40,23 +55,49 @@ def build_before_first_trace(model, iterator=None, data_batch=None):
         data_batch: a batch (`train_on_batch`, `test_on_batch`), or `None`.
 
     Returns:
-        bool, whether the state was built here.
+        bool, whether the compiled state is built (here or before) and the optimizer may be
+        built before the first call of the train function.
     """
-    if model._distribute_strategy is not None:  # Keras builds it symbolically itself
+    if not _eligible(model):
         return False
-    if not model.compiled or not _unbuilt_state(model):
-        return False
-    if not all(layer.built for layer in model._flatten_layers()):
-        return False
-    if data_batch is None:
-        data_batch = internals.epoch_iterator_element_spec(iterator)
+    if _compiled_state_unbuilt(model):
         if data_batch is None:
+            data_batch = internals.epoch_iterator_element_spec(iterator)
+            if data_batch is None:
+                return False
+        try:
+            internals.build_compiled_metrics_and_loss(model, data_batch)
+        except Exception:  # noqa: BLE001 - the trace builds what is left, as in keras.Model
             return False
-    try:
-        internals.symbolic_build(model, data_batch)
-    except Exception:  # noqa: BLE001 - the trace builds what is left, as in keras.Model
-        return False
-    return not _unbuilt_state(model)
+        if _compiled_state_unbuilt(model):
+            return False
+    object.__setattr__(model, _PREBUILT, True)
+    return True
 
 
-__all__ = ["build_before_first_trace"]
+def build_optimizer_before_first_call(model, function):
+    """`function` (the train function), building the optimizer right before its first call.
+
+    Only after `build_before_first_trace` succeeded for `model`; otherwise `function` itself.
+    The first call then puts `function` back as `model.train_function`.
+    """
+    optimizer = getattr(model, "optimizer", None)
+    if function is None or optimizer is None or optimizer.built:
+        return function
+    if getattr(function, "_fastloop_first_call", False):  # already wrapped
+        return function
+    if not model.__dict__.get(_PREBUILT):
+        return function
+
+    def first_call(*args, **kwargs):
+        if not optimizer.built and _eligible(model):
+            optimizer.build(model.trainable_variables)
+        model.train_function = function
+        return function(*args, **kwargs)
+
+    first_call._fastloop_first_call = True
+    model.train_function = first_call
+    return first_call
+
+
+__all__ = ["build_before_first_trace", "build_optimizer_before_first_call"]
