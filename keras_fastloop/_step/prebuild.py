@@ -25,8 +25,6 @@ from __future__ import annotations
 
 from keras_fastloop import _keras_internals as internals
 
-_PREBUILT = "_fastloop_prebuilt"  # untracked model attribute: metrics and loss built here
-
 
 def _compiled_state_unbuilt(model):
     metrics, loss = model._compile_metrics, model._compile_loss
@@ -54,39 +52,34 @@ def build_before_first_trace(model, iterator=None, data_batch=None):
         iterator: `fit`'s / `evaluate`'s epoch iterator, or `None`.
         data_batch: a batch (`train_on_batch`, `test_on_batch`), or `None`.
 
-    Returns:
-        bool, whether the compiled state is built (here or before) and the optimizer may be
-        built before the first call of the train function.
+    Nothing is built for a model that is not eligible, or when neither a batch nor the
+    iterator's spec is at hand; a failing symbolic build leaves the rest to the trace.
     """
-    if not _eligible(model):
-        return False
-    if _compiled_state_unbuilt(model):
+    if not _eligible(model) or not _compiled_state_unbuilt(model):
+        return
+    if data_batch is None:
+        data_batch = internals.epoch_iterator_element_spec(iterator)
         if data_batch is None:
-            data_batch = internals.epoch_iterator_element_spec(iterator)
-            if data_batch is None:
-                return False
-        try:
-            internals.build_compiled_metrics_and_loss(model, data_batch)
-        except Exception:  # noqa: BLE001 - the trace builds what is left, as in keras.Model
-            return False
-        if _compiled_state_unbuilt(model):
-            return False
-    object.__setattr__(model, _PREBUILT, True)
-    return True
+            return
+    try:
+        internals.build_compiled_metrics_and_loss(model, data_batch)
+    except Exception:  # noqa: BLE001 - the trace builds what is left, as in keras.Model
+        return
 
 
 def build_optimizer_before_first_call(model, function):
     """`function` (the train function), building the optimizer right before its first call.
 
-    Only after `build_before_first_trace` succeeded for `model`; otherwise `function` itself.
-    The first call then puts `function` back as `model.train_function`.
+    Only when the compiled metrics and loss are already built (by `build_before_first_trace`
+    or an earlier step) and the model is eligible; otherwise `function` itself. The first call
+    then puts `function` back as `model.train_function`.
     """
     optimizer = getattr(model, "optimizer", None)
     if function is None or optimizer is None or optimizer.built:
         return function
     if getattr(function, "_fastloop_first_call", False):  # already wrapped
         return function
-    if not model.__dict__.get(_PREBUILT):
+    if not _eligible(model) or _compiled_state_unbuilt(model):
         return function
 
     def first_call(*args, **kwargs):

@@ -262,10 +262,7 @@ class StepsPerExecutionTuner:
     def _probe_decision(self, rate, best_rate, seconds_per_execution):
         """`rate`: the candidate's median; `best_rate`: the best's median in the same period
         (`None` while the first count is measured alone)."""
-        if best_rate is None:
-            self.best_steps, self.best_rate = self.candidate, rate
-            self._misses = 0
-        elif rate > best_rate * (1.0 + self.min_gain):
+        if best_rate is None or rate > best_rate * (1.0 + self.min_gain):
             self.best_steps, self.best_rate = self.candidate, rate
             self._misses = 0
         else:
