@@ -106,8 +106,22 @@ def profiler_op_stats(xplane_paths):
     return labels, rows
 
 
+def onednn_enabled():
+    """Whether TensorFlow's oneDNN (formerly MKL) CPU kernels are on in this process.
+
+    TensorFlow reads `TF_ENABLE_ONEDNN_OPTS` once, when it is imported; unset, it turns
+    oneDNN on only for some x86 CPUs. Read through `tensorflow.python.util._pywrap_util_port`
+    (no public API); `None` where this TensorFlow build has no such switch.
+    """
+    from tensorflow.python.util import _pywrap_util_port
+
+    is_enabled = getattr(_pywrap_util_port, "IsMklEnabled", None)
+    return None if is_enabled is None else bool(is_enabled())
+
+
 __all__ = [
     "CompileLoss",
+    "onednn_enabled",
     "profiler_op_stats",
     "epoch_iterator_element_spec",
     "build_compiled_metrics_and_loss",

@@ -4,9 +4,11 @@ speed is measured by the bench, never asserted in a test)."""
 import gc
 import json
 
+import keras
+import numpy as np
 import pytest
 
-from keras_fastloop import cli
+from keras_fastloop import cli, tuning
 from keras_fastloop.bench import bucketing, default
 
 
@@ -34,6 +36,35 @@ def test_default_suite_quick(tmp_path):
         assert profile["op_ms_per_step"] > 0
         assert {r["op_type"] for r in profile["top"]} & {"Conv2DBackpropFilter", "_FusedConv2D"}
     assert "Where a step's time goes" in result["markdown"]
+    if tuning.onednn_off_on_x86():  # x86 without oneDNN here: the child turns it on
+        assert default.RECOMMENDED_ONEDNN in names
+        assert "(oneDNN on there)" in result["markdown"]
+
+
+def test_own_process_contender_trains_what_the_in_process_one_trains():
+    """The child rebuilds the data and the contender: with this process's settings it gives
+    this process's numbers, and it reports the oneDNN switch it ran with."""
+    from keras_fastloop import _keras_internals
+    from keras_fastloop.bench import harness
+    from keras_fastloop.bench.own_process import own_process_contender
+
+    data = default.Data(quick=True)
+    keras.utils.set_random_seed(default.SEED)
+    initial = default.build_cnn().get_weights()
+    here = harness.Run("here", epochs=2, initial_weights=initial)
+    default.contenders(data, "float32", own_process=False)[default.RECOMMENDED](here)
+    onednn = "1" if _keras_internals.onednn_enabled() else "0"
+    child = harness.Run("child", epochs=2, initial_weights=initial)
+    own_process_contender(default.RECOMMENDED, {"TF_ENABLE_ONEDNN_OPTS": onednn}, True)(child)
+    assert child.extra["onednn"] == _keras_internals.onednn_enabled()
+    assert child.samples == here.samples == [len(data.x)] * 2
+    np.testing.assert_allclose([p[1] for p in child.curve], [p[1] for p in here.curve], rtol=1e-6)
+    assert child.val_accuracy == pytest.approx(here.val_accuracy)
+    assert len(child.train_seconds) == 2 and child.total_seconds > 0
+    with pytest.raises(RuntimeError, match="no-such-contender"):
+        own_process_contender("no-such-contender", {}, True)(
+            harness.Run("bad", epochs=1, initial_weights=initial)
+        )
 
 
 @pytest.mark.slow

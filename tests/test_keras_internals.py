@@ -4,6 +4,7 @@ Each block names the module of keras_fastloop that uses the internal.
 """
 
 import inspect
+import os
 
 import keras
 import tensorflow as tf
@@ -190,3 +191,21 @@ def test_profiler_plugin_converts_traces_to_the_op_stats_table(tmp_path):
     needed = {"operation type", "host/device", "total self-time (us)", "#occurrences"}
     assert needed <= {label.lower() for label in labels}
     assert rows
+
+
+def test_onednn_switch_is_readable_and_follows_the_environment_variable():
+    """The bench's own-process oneDNN contender and its report header read this switch."""
+    import subprocess
+    import sys
+
+    from keras_fastloop import _keras_internals as internals
+
+    here = internals.onednn_enabled()
+    assert isinstance(here, bool)
+    flipped = "0" if here else "1"
+    code = "from keras_fastloop import _keras_internals as i; print(i.onednn_enabled())"
+    env = dict(os.environ, TF_ENABLE_ONEDNN_OPTS=flipped, TF_CPP_MIN_LOG_LEVEL="3")
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip().splitlines()[-1] == str(not here)

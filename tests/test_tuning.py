@@ -341,6 +341,27 @@ def test_recommended_setup_needs_model_fn_and_data_together(restore_policy):
         tuning.recommended_setup(_model_fn)
 
 
+@pytest.mark.parametrize(
+    "onednn, machine, advised",
+    [(False, "x86_64", True), (True, "x86_64", False), (False, "aarch64", False)],
+    ids=["off_on_x86", "already_on", "not_x86"],
+)
+def test_recommended_setup_advises_onednn_only_where_tensorflow_left_it_off_on_x86(
+    restore_policy, monkeypatch, capsys, onednn, machine, advised
+):
+    from keras_fastloop import _keras_internals
+    from keras_fastloop.tuning import recommended
+
+    monkeypatch.setattr(_keras_internals, "onednn_enabled", lambda: onednn)
+    monkeypatch.setattr(recommended.platform, "machine", lambda: machine)
+    assert tuning.onednn_off_on_x86() is advised
+    setup = tuning.recommended_setup()
+    assert setup.onednn_off_on_x86 is advised
+    line = capsys.readouterr().out
+    assert ("TF_ENABLE_ONEDNN_OPTS=1 before Python imports TensorFlow" in line) is advised
+    assert line.strip() == setup.summary()
+
+
 def test_pipeline_keeps_order_and_rejects_non_datasets():
     ds = tf.data.Dataset.range(10).batch(3)
     got = [b.numpy().tolist() for b in tuning.optimize_pipeline(ds)]

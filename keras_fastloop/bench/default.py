@@ -18,6 +18,7 @@ import tensorflow as tf
 
 from keras_fastloop import mixed_precision, tuning
 from keras_fastloop.bench import flops, harness
+from keras_fastloop.bench.own_process import own_process_contender
 from keras_fastloop.callbacks.monitors import ProfilerWindow
 from keras_fastloop.callbacks.periodic_validation import PeriodicValidation
 from keras_fastloop.datasets.digits import load_digits_data
@@ -25,9 +26,11 @@ from keras_fastloop.model import OptimizedModel
 
 BATCH_SIZE = 64
 LEARNING_RATE = 1e-3
+SEED = 0
 BASELINE = "keras.Model.fit (per-epoch validation)"
 VALIDATE_EVERY_2 = "OptimizedModel.fit + PeriodicValidation (every 2 epochs)"
 RECOMMENDED = "OptimizedModel, recommended setup"
+RECOMMENDED_ONEDNN = "OptimizedModel, recommended setup + oneDNN (own process)"
 
 # The seed article's claim (harness.SEED_ARTICLE), printed next to what we measure.
 SEED_CLAIM = (
@@ -56,6 +59,7 @@ class Data:
     """The digits split as tf.data pipelines, rebuilt identically for every run."""
 
     def __init__(self, quick=False):
+        self.quick = quick
         (self.x, self.y), (self.x_val, self.y_val) = load_digits_data(image_size=16)
         if quick:
             self.x, self.y = self.x[:256], self.y[:256]
@@ -250,9 +254,14 @@ def _profile_section(profiles):
     return "\n".join(lines) + "\n"
 
 
-def contenders(data, recommended_policy=None):
-    """Name -> contender; the first one is the baseline of every ratio."""
-    return {
+def contenders(data, recommended_policy=None, own_process=True):
+    """Name -> contender; the first one is the baseline of every ratio.
+
+    With `own_process`, where this process runs without oneDNN on an x86 CPU (TensorFlow's
+    default there), the recommended setup runs a second time in a child process with
+    `TF_ENABLE_ONEDNN_OPTS=1` (`bench.own_process`): TensorFlow reads it only at import.
+    """
+    suite = {
         BASELINE: fit_contender(data),
         "seed's GradientTape loop (eager)": loop_contender(data, compiled=False),
         "seed's GradientTape loop (tf.function)": loop_contender(data, compiled=True),
@@ -268,6 +277,11 @@ def contenders(data, recommended_policy=None):
         ),
         RECOMMENDED: recommended_contender(data, recommended_policy),
     }
+    if own_process and tuning.onednn_off_on_x86():
+        suite[RECOMMENDED_ONEDNN] = own_process_contender(
+            RECOMMENDED, {"TF_ENABLE_ONEDNN_OPTS": "1"}, data.quick, recommended_policy
+        )
+    return suite
 
 
 def run(
@@ -298,7 +312,7 @@ def run(
     rounds = rounds or (1 if quick else 3)
     epochs = epochs or (2 if quick else 12)
     data = Data(quick)
-    keras.utils.set_random_seed(0)
+    keras.utils.set_random_seed(SEED)  # also seeds tf.data's shuffle (own_process repeats it)
     initial = build_cnn().get_weights()
     progress(f"[default] {len(data.x)} training images, {epochs} epochs x {rounds} rounds")
     choice, choice_seconds = confirm_recommended_policy(data)
@@ -333,7 +347,8 @@ def run(
         f"Data: scikit-learn digits (real, {len(data.x)} train / {len(data.x_val)} validation "
         f"images, 16x16), batch {BATCH_SIZE}, Adam {LEARNING_RATE}, {epochs} epochs, "
         f"validation after every epoch (except the PeriodicValidation contender: every 2 epochs), {rounds} alternating rounds (medians).\n\n"
-        f"{table}\n{_flops_section(rows, choice, choice_seconds)}\n{_profile_section(profiles)}\n"
+        f"{table}\n{_onednn_note(runs)}{_flops_section(rows, choice, choice_seconds)}\n"
+        f"{_profile_section(profiles)}\n"
         f"{SEED_CLAIM}\n"
     )
     harness.plot_curves(
@@ -364,6 +379,22 @@ def run(
     return payload
 
 
+def _onednn_note(runs):
+    """A paragraph on the own-process oneDNN contender, or `""` when it did not run."""
+    if RECOMMENDED_ONEDNN not in runs:
+        return ""
+    child = {run.extra.get("onednn") for run in runs[RECOMMENDED_ONEDNN]}
+    state = "on" if child == {True} else f"NOT on ({sorted(map(str, child))})"
+    return (
+        f"`{RECOMMENDED_ONEDNN}`: TensorFlow left oneDNN off in this process (its default "
+        "on x86 CPUs without AVX-512), so this row is the recommended setup in a child process "
+        f"started with `TF_ENABLE_ONEDNN_OPTS=1` (oneDNN {state} there), alternating with the "
+        "others; TensorFlow's import in the child is not timed. To get it, set the variable "
+        "before Python imports TensorFlow (oneDNN's kernels round differently: float32 results "
+        "change in the last digits).\n\n"
+    )
+
+
 def _flops_section(rows, choice, choice_seconds):
     """Adds achieved FLOP/s and % of peak to `rows`; returns a markdown section."""
     train_flops = flops.count_flops(build_cnn()).training
@@ -377,7 +408,8 @@ def _flops_section(rows, choice, choice_seconds):
         "|---|---|---:|---:|",
     ]
     for row in rows:
-        policy = choice.policy if row["contender"] == RECOMMENDED else "float32"
+        recommended = row["contender"] in (RECOMMENDED, RECOMMENDED_ONEDNN)
+        policy = choice.policy if recommended else "float32"
         achieved = row["throughput_samples_per_s"] * train_flops
         ceiling = peak.for_policy(policy)
         row["achieved_flops"] = achieved

@@ -38,17 +38,20 @@ SEED_ARTICLE = (
 
 
 def machine_description() -> str:
-    """CPU model, core count and accelerators, for the report header."""
+    """CPU model, core count, accelerators and oneDNN's switch, for the report header."""
     import tensorflow as tf
 
+    from keras_fastloop import _keras_internals
+
     cpu = _machine.read_cpuinfo().model or platform.processor() or platform.machine()
+    onednn = {True: "on", False: "off", None: "n/a"}[_keras_internals.onednn_enabled()]
     gpus = [
         tf.config.experimental.get_device_details(g).get("device_name", g.name)
         for g in tf.config.list_physical_devices("GPU")
     ]
     accel = ", ".join(gpus) if gpus else "no GPU"
     return (
-        f"{cpu}, {os.cpu_count()} cores, {accel}; TensorFlow {tf.__version__}, "
+        f"{cpu}, {os.cpu_count()} cores, {accel}, oneDNN {onednn}; TensorFlow {tf.__version__}, "
         f"Keras {__import__('keras').__version__}, Python {platform.python_version()}"
     )
 
@@ -128,6 +131,7 @@ class Run:
     val_accuracy: float = float("nan")
     peak_memory_mb: float = float("nan")
     total_seconds: float = float("nan")
+    extra: dict = dataclasses.field(default_factory=dict)  # contender-specific facts
 
     def epoch_done(self, train_loss, train_seconds, samples):
         self.curve.append((time.perf_counter() - self.start, float(train_loss)))
@@ -172,7 +176,8 @@ def run_alternating(contenders, make_initial_weights, epochs, rounds, progress=p
             with _timing.collector_paused(collect_first=True), PeakRSS() as mem:
                 run.start = time.perf_counter()
                 train(run)
-            run.peak_memory_mb = mem.peak_mb
+            if math.isnan(run.peak_memory_mb):  # a child-process contender measures its own
+                run.peak_memory_mb = mem.peak_mb
             runs[name].append(run)
             progress(
                 f"  round {r + 1}/{rounds}  {name:<44s} {run.throughput():9.0f} samples/s  "

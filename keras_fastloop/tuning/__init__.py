@@ -8,7 +8,7 @@ one compiled execution while `fit` runs (Keras 2 had this; Keras 3 dropped it). 
 - `.events`: the step events every execution ends at (step-gated callbacks);
 - `._glue`: the compile-time state and the variable-count train function; the grouping of
   batches into executions is one of the epoch transforms of `keras_fastloop._fit_loop`;
-- `.recommended`: `recommended_setup` and `optimize_pipeline`.
+- `.recommended`: `recommended_setup`, `optimize_pipeline` and `onednn_off_on_x86`.
 
 The design (what Keras 3.15 allows, the grouping rule, what is not tuned) is in
 `docs/fit_loop.md`.
@@ -25,6 +25,7 @@ from keras_fastloop.tuning.events import (  # noqa: F401
 )
 from keras_fastloop.tuning.recommended import (
     RecommendedSetup,
+    onednn_off_on_x86,
     optimize_pipeline,
     recommended_setup,
 )
@@ -38,6 +39,7 @@ __all__ = [
     "StepsPerExecutionTuner",
     "RecommendedSetup",
     "recommended_setup",
+    "onednn_off_on_x86",
     "optimize_pipeline",
     "validate_steps_per_execution",
     "steps_until_next_event",

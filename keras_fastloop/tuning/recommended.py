@@ -6,6 +6,7 @@ Reference: TensorFlow guide "Better performance with the tf.data API" (2019-) fo
 from __future__ import annotations
 
 import dataclasses
+import platform
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -18,7 +19,7 @@ from keras_fastloop.tuning.tuner import AUTO
 if TYPE_CHECKING:
     from keras_fastloop.mixed_precision import HardwareInfo, PolicyChoice
 
-__all__ = ["RecommendedSetup", "optimize_pipeline", "recommended_setup"]
+__all__ = ["RecommendedSetup", "onednn_off_on_x86", "optimize_pipeline", "recommended_setup"]
 
 
 def optimize_pipeline(dataset: tf.data.Dataset, cache: bool = False) -> tf.data.Dataset:
@@ -69,11 +70,15 @@ class RecommendedSetup:
         policy: string, the global dtype policy now set.
         policy_choice: the `keras_fastloop.mixed_precision.PolicyChoice` behind it.
         steps_per_execution: `"auto"` (the compile argument). Defaults to `"auto"`.
+        onednn_off_on_x86: bool, TensorFlow runs without oneDNN's CPU kernels on this x86
+            CPU (`onednn_off_on_x86()`); `summary` then says how to try them. Defaults to
+            `False`.
     """
 
     policy: str
     policy_choice: PolicyChoice
     steps_per_execution: int | str = AUTO
+    onednn_off_on_x86: bool = False
 
     @property
     def compile_kwargs(self) -> dict[str, Any]:
@@ -93,11 +98,31 @@ class RecommendedSetup:
                 why += " (too little gain: kept float32)"
         else:
             why = f"hardware rule: {choice.recommended}"
-        return (
+        line = (
             f"keras_fastloop.recommended_setup: dtype policy {self.policy!r} ({why}); "
             f"compile(**setup.compile_kwargs) adds steps_per_execution="
             f"{self.steps_per_execution!r}. Undo: keras.config.set_dtype_policy('float32')."
         )
+        if self.onednn_off_on_x86:
+            line += (
+                " TensorFlow left oneDNN's CPU kernels off on this CPU: set "
+                "TF_ENABLE_ONEDNN_OPTS=1 before Python imports TensorFlow to try them "
+                "(`keras-fastloop bench` times both)."
+            )
+        return line
+
+
+def onednn_off_on_x86() -> bool:
+    """True on an x86-64 CPU where TensorFlow runs without oneDNN's kernels in this process.
+
+    TensorFlow reads `TF_ENABLE_ONEDNN_OPTS` once, at import; unset, it leaves oneDNN off on
+    x86 CPUs without AVX-512 (where oneDNN's float32 convolutions measured 1.3-1.5x faster on
+    the bench CNN: docs/performance.md).
+    """
+    from keras_fastloop import _keras_internals
+
+    machine = platform.machine().lower()
+    return _keras_internals.onednn_enabled() is False and machine in ("x86_64", "amd64")
 
 
 def recommended_setup(
@@ -174,7 +199,9 @@ def recommended_setup(
         hardware=hardware,
         timer=timer,
     )
-    setup = RecommendedSetup(policy=choice.policy, policy_choice=choice)
+    setup = RecommendedSetup(
+        policy=choice.policy, policy_choice=choice, onednn_off_on_x86=onednn_off_on_x86()
+    )
     if verbose:
         print(setup.summary())
     return setup

@@ -1,0 +1,123 @@
+"""A bench contender that trains in a child Python process, for settings read at import.
+
+TensorFlow reads some settings once, when it is imported: `TF_ENABLE_ONEDNN_OPTS` (oneDNN
+CPU kernels, which TensorFlow leaves off on CPUs without AVX-512) among them. A contender
+that needs one cannot share the bench's process, so `own_process_contender` runs it in a
+child with its own environment. The parent alternates it with the in-process contenders like
+any other. The child rebuilds the suite's data (the same seed, the same order), trains the named
+contender of the default suite from the parent's initial weights, and sends back what a
+`harness.Run` holds, as JSON. As for every in-process contender, the clock starts when
+training starts: TensorFlow's import in the child (a few seconds) is not counted.
+
+The child is `python -m keras_fastloop.bench.own_process SPEC`, with `SPEC` a JSON file:
+`{"contender", "policy", "quick", "epochs", "weights", "out"}`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["own_process_contender"]
+
+
+def own_process_contender(contender: str, env: dict[str, str], quick: bool, policy=None):
+    """A contender `train(run)` that runs `contender` of the default suite in a child process.
+
+    Args:
+        contender: string, a name from `keras_fastloop.bench.default.contenders`.
+        env: dict of environment variables set in the child on top of this process's.
+        quick: bool, the default suite's `quick` data (the child rebuilds the same data).
+        policy: string or None, the dtype policy for the recommended-setup contender.
+
+    Returns:
+        A callable `train(run)`. It fills `run` (curve, per-epoch training seconds and
+        samples, validation accuracy, total seconds, peak RSS growth of the child) and sets
+        `run.extra["onednn"]`, the child's oneDNN switch as TensorFlow reports it.
+
+    Raises:
+        RuntimeError: from `train(run)`, if the child fails; the message ends with the tail
+            of its standard error.
+    """
+
+    def train(run):
+        with tempfile.TemporaryDirectory() as tmp:
+            weights = Path(tmp) / "initial.npz"
+            out = Path(tmp) / "run.json"
+            np.savez(weights, *run.initial_weights)
+            spec = Path(tmp) / "spec.json"
+            spec.write_text(
+                json.dumps(
+                    {
+                        "contender": contender,
+                        "policy": policy,
+                        "quick": bool(quick),
+                        "epochs": run.epochs,
+                        "weights": str(weights),
+                        "out": str(out),
+                    }
+                )
+            )
+            child = subprocess.run(
+                [sys.executable, "-m", "keras_fastloop.bench.own_process", str(spec)],
+                env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", **env},
+                capture_output=True,
+                text=True,
+            )
+            if child.returncode != 0 or not out.exists():
+                raise RuntimeError(
+                    f"The own-process contender {contender!r} failed (exit code "
+                    f"{child.returncode}). Its standard error ends with:\n{child.stderr[-3000:]}"
+                )
+            result = json.loads(out.read_text())
+        run.curve = [tuple(point) for point in result["curve"]]
+        run.train_seconds = result["train_seconds"]
+        run.samples = result["samples"]
+        run.val_accuracy = result["val_accuracy"]
+        run.total_seconds = result["total_seconds"]
+        run.peak_memory_mb = result["peak_memory_mb"]
+        run.extra["onednn"] = result["onednn"]
+
+    return train
+
+
+def _child(spec_path):
+    spec = json.loads(Path(spec_path).read_text())
+    import keras
+
+    from keras_fastloop import _keras_internals, _timing
+    from keras_fastloop.bench import default, harness
+
+    keras.utils.set_random_seed(default.SEED)  # as `default.run`: tf.data's shuffle order
+    data = default.Data(spec["quick"])
+    stored = np.load(spec["weights"])
+    initial = [stored[f"arr_{i}"] for i in range(len(stored.files))]
+    train = default.contenders(data, spec["policy"], own_process=False)[spec["contender"]]
+    run = harness.Run(name=spec["contender"], epochs=spec["epochs"], initial_weights=initial)
+    with _timing.collector_paused(collect_first=True), harness.PeakRSS() as memory:
+        run.start = time.perf_counter()
+        train(run)
+    Path(spec["out"]).write_text(
+        json.dumps(
+            {
+                "curve": run.curve,
+                "train_seconds": run.train_seconds,
+                "samples": run.samples,
+                "val_accuracy": run.val_accuracy,
+                "total_seconds": run.total_seconds,
+                "peak_memory_mb": memory.peak_mb,
+                "onednn": _keras_internals.onednn_enabled(),
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    _child(sys.argv[1])
