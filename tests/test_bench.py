@@ -52,7 +52,7 @@ def test_own_process_contender_trains_what_the_in_process_one_trains():
     keras.utils.set_random_seed(default.SEED)
     initial = default.build_cnn().get_weights()
     here = harness.Run("here", epochs=2, initial_weights=initial)
-    default.contenders(data, "float32", own_process=False)[default.RECOMMENDED](here)
+    default.contenders(data, "float32", extras=False)[default.RECOMMENDED](here)
     onednn = "1" if _keras_internals.onednn_enabled() else "0"
     child = harness.Run("child", epochs=2, initial_weights=initial)
     own_process_contender(default.RECOMMENDED, {"TF_ENABLE_ONEDNN_OPTS": onednn}, True)(child)

@@ -17,7 +17,7 @@ import keras
 import tensorflow as tf
 
 from keras_fastloop import mixed_precision, tuning
-from keras_fastloop.bench import flops, harness
+from keras_fastloop.bench import flops, harness, torch_contender
 from keras_fastloop.bench.own_process import own_process_contender
 from keras_fastloop.callbacks.monitors import ProfilerWindow
 from keras_fastloop.callbacks.periodic_validation import PeriodicValidation
@@ -31,6 +31,8 @@ BASELINE = "keras.Model.fit (per-epoch validation)"
 VALIDATE_EVERY_2 = "OptimizedModel.fit + PeriodicValidation (every 2 epochs)"
 RECOMMENDED = "OptimizedModel, recommended setup"
 RECOMMENDED_ONEDNN = "OptimizedModel, recommended setup + oneDNN (own process)"
+TORCH = "PyTorch eager, same CNN (float32)"
+TORCH_BF16 = "PyTorch eager, same CNN (bf16 autocast)"
 
 # The seed article's claim (harness.SEED_ARTICLE), printed next to what we measure.
 SEED_CLAIM = (
@@ -254,12 +256,16 @@ def _profile_section(profiles):
     return "\n".join(lines) + "\n"
 
 
-def contenders(data, recommended_policy=None, own_process=True):
+def contenders(data, recommended_policy=None, extras=True):
     """Name -> contender; the first one is the baseline of every ratio.
 
-    With `own_process`, where this process runs without oneDNN on an x86 CPU (TensorFlow's
-    default there), the recommended setup runs a second time in a child process with
-    `TF_ENABLE_ONEDNN_OPTS=1` (`bench.own_process`): TensorFlow reads it only at import.
+    With `extras` (the default; the child of `bench.own_process` passes `False`):
+
+    - where this process runs without oneDNN on an x86 CPU (TensorFlow's default there), the
+      recommended setup runs a second time in a child process with `TF_ENABLE_ONEDNN_OPTS=1`
+      (`bench.own_process`): TensorFlow reads it only at import;
+    - where PyTorch is installed, the same CNN in eager PyTorch (`bench.torch_contender`),
+      float32, and with bf16 autocast where the recommended policy is `mixed_bfloat16`.
     """
     suite = {
         BASELINE: fit_contender(data),
@@ -277,10 +283,14 @@ def contenders(data, recommended_policy=None, own_process=True):
         ),
         RECOMMENDED: recommended_contender(data, recommended_policy),
     }
-    if own_process and tuning.onednn_off_on_x86():
+    if extras and tuning.onednn_off_on_x86():
         suite[RECOMMENDED_ONEDNN] = own_process_contender(
             RECOMMENDED, {"TF_ENABLE_ONEDNN_OPTS": "1"}, data.quick, recommended_policy
         )
+    if extras and torch_contender.torch_available():
+        suite[TORCH] = torch_contender.torch_contender(data, LEARNING_RATE)
+        if recommended_policy == "mixed_bfloat16":  # the CPU or GPU has bf16 units
+            suite[TORCH_BF16] = torch_contender.torch_contender(data, LEARNING_RATE, bf16=True)
     return suite
 
 

@@ -99,7 +99,7 @@ def _child(spec_path):
     data = default.Data(spec["quick"])
     stored = np.load(spec["weights"])
     initial = [stored[f"arr_{i}"] for i in range(len(stored.files))]
-    train = default.contenders(data, spec["policy"], own_process=False)[spec["contender"]]
+    train = default.contenders(data, spec["policy"], extras=False)[spec["contender"]]
     run = harness.Run(name=spec["contender"], epochs=spec["epochs"], initial_weights=initial)
     with _timing.collector_paused(collect_first=True), harness.PeakRSS() as memory:
         run.start = time.perf_counter()
