@@ -97,7 +97,10 @@ def torch_contender(data, learning_rate=1e-3, bf16=False):
         def batches(dataset):
             for x, y in dataset.as_numpy_iterator():
                 # tf.data hands out read-only arrays; PyTorch wants writable ones.
-                yield torch.from_numpy(x.copy()).permute(0, 3, 1, 2), torch.from_numpy(y).long()
+                yield (
+                    torch.from_numpy(x.copy()).permute(0, 3, 1, 2),
+                    torch.from_numpy(y.copy()).long(),
+                )
 
         def validate():
             model.eval()
@@ -118,7 +121,7 @@ def torch_contender(data, learning_rate=1e-3, bf16=False):
                     loss = F.cross_entropy(model(x).float(), y)
                 loss.backward()
                 optimizer.step()
-                loss_sum += float(loss) * len(y)
+                loss_sum += loss.item() * len(y)
                 samples += len(y)
             seconds = time.perf_counter() - t0
             validate()
