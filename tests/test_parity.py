@@ -513,7 +513,7 @@ def test_recommended_setup_says_what_it_chose_and_how_to_undo(capsys):
 # Keras intends (its eager path, or its path for data of known length). README, "deviations".
 
 
-def _two_heads(cls):
+def _class_and_value_heads(cls):
     i = keras.Input((4,))
     h = keras.layers.Dense(8, activation="relu")(i)
     p = keras.layers.Dense(3, activation="softmax", name="p")(h)
@@ -529,8 +529,8 @@ def test_per_output_losses_weight_a_partial_last_batch_by_its_size():
     targets = np.random.default_rng(2).normal(size=(40, 1)).astype("float32")
     compile_kwargs = {"optimizer": "sgd", "loss": ["sparse_categorical_crossentropy", "mse"]}
     fit = ((x, [labels, targets]), {"batch_size": 16, "epochs": 2})
-    eager = fit_pair(_two_heads, dict(compile_kwargs, run_eagerly=True), *fit)[0]
-    graph, ours = fit_pair(_two_heads, compile_kwargs, *fit)
+    eager = fit_pair(_class_and_value_heads, dict(compile_kwargs, run_eagerly=True), *fit)[0]
+    graph, ours = fit_pair(_class_and_value_heads, compile_kwargs, *fit)
     assert_same((eager, ours))
     for a, b in zip(graph[1].get_weights(), ours[1].get_weights()):
         np.testing.assert_allclose(b, a, atol=1e-6)
