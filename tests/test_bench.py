@@ -37,8 +37,9 @@ def test_default_suite_quick(tmp_path):
         assert {r["op_type"] for r in profile["top"]} & {"Conv2DBackpropFilter", "_FusedConv2D"}
     assert "Where a step's time goes" in result["markdown"]
     if tuning.onednn_off_on_x86():  # x86 without oneDNN here: the child turns it on
-        assert default.RECOMMENDED_ONEDNN in names
+        assert {default.RECOMMENDED_ONEDNN, default.RECOMMENDED_CONTROL} <= set(names)
         assert "(oneDNN on there)" in result["markdown"]
+        assert "with `=0` (oneDNN off)" in result["markdown"]
 
 
 def test_own_process_contender_trains_what_the_in_process_one_trains():
@@ -55,7 +56,9 @@ def test_own_process_contender_trains_what_the_in_process_one_trains():
     default.contenders(data, "float32", extras=False)[default.RECOMMENDED](here)
     onednn = "1" if _keras_internals.onednn_enabled() else "0"
     child = harness.Run("child", epochs=2, initial_weights=initial)
-    own_process_contender(default.RECOMMENDED, {"TF_ENABLE_ONEDNN_OPTS": onednn}, True)(child)
+    own_process_contender(
+        default.RECOMMENDED, {"TF_ENABLE_ONEDNN_OPTS": onednn}, True, policy="float32"
+    )(child)
     assert child.extra["onednn"] == _keras_internals.onednn_enabled()
     assert child.samples == here.samples == [len(data.x)] * 2
     np.testing.assert_allclose([p[1] for p in child.curve], [p[1] for p in here.curve], rtol=1e-6)

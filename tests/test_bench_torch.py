@@ -73,3 +73,39 @@ def test_contender_trains_the_bench_data_and_reports_like_the_others():
     suite = default.contenders(data, "float32")
     assert default.TORCH in suite and default.TORCH_BF16 not in suite
     assert default.TORCH_BF16 in default.contenders(data, "mixed_bfloat16")
+
+
+def test_keras_adam_takes_keras_adam_steps():
+    import keras
+
+    rng = np.random.default_rng(0)
+    start = rng.normal(size=(5,)).astype("float32")
+    grads = rng.normal(size=(4, 5)).astype("float32") * np.array([1, 1e-3, 1e-5, 0, 10], "float32")
+    variable = keras.Variable(start)
+    reference = keras.optimizers.Adam(1e-3)
+    parameter = torch.nn.Parameter(torch.from_numpy(start.copy()))
+    ours = torch_contender.keras_adam([parameter], 1e-3)
+    for g in grads:
+        reference.apply_gradients([(tf.constant(g), variable)])
+        parameter.grad = torch.from_numpy(g.copy())
+        ours.step()
+    np.testing.assert_allclose(parameter.detach().numpy(), variable.numpy(), rtol=1e-6, atol=1e-8)
+
+
+@pytest.mark.parametrize("epochs", [3])
+def test_hand_written_loops_train_what_fit_trains(epochs):
+    """Same initial weights, same batches in `fit`'s order, Keras' Adam steps: the epoch losses
+    of PyTorch's and the seed's `tf.function` loop follow `fit`'s (float rounding aside)."""
+    import keras
+
+    data = default.Data(quick=True)
+    keras.utils.set_random_seed(default.SEED)
+    initial = default.build_cnn().get_weights()
+    suite = default.contenders(data, "float32")
+    losses = {}
+    for name in (default.BASELINE, default.TORCH, "seed's GradientTape loop (tf.function)"):
+        run = harness.Run(name, epochs=epochs, initial_weights=[w.copy() for w in initial])
+        suite[name](run)
+        losses[name] = [loss for _, loss in run.curve]
+    for name, curve in losses.items():
+        np.testing.assert_allclose(curve, losses[default.BASELINE], rtol=2e-4, err_msg=name)

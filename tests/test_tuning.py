@@ -350,16 +350,24 @@ def test_recommended_setup_advises_onednn_only_where_tensorflow_left_it_off_on_x
     restore_policy, monkeypatch, capsys, onednn, machine, advised
 ):
     from keras_fastloop import _keras_internals
+    from keras_fastloop.mixed_precision import GPUInfo
     from keras_fastloop.tuning import recommended
 
+    monkeypatch.delenv("TF_ENABLE_ONEDNN_OPTS", raising=False)
     monkeypatch.setattr(_keras_internals, "onednn_enabled", lambda: onednn)
     monkeypatch.setattr(recommended.platform, "machine", lambda: machine)
     assert tuning.onednn_off_on_x86() is advised
-    setup = tuning.recommended_setup()
+    setup = tuning.recommended_setup(hardware=HardwareInfo())
     assert setup.onednn_off_on_x86 is advised
     line = capsys.readouterr().out
     assert ("TF_ENABLE_ONEDNN_OPTS=1 before Python imports TensorFlow" in line) is advised
     assert line.strip() == setup.summary()
+    # Training on a GPU: no CPU-kernel advice.
+    gpu = HardwareInfo(gpus=(GPUInfo("A100", (8, 0)),))
+    assert not tuning.recommended_setup(hardware=gpu, verbose=False).onednn_off_on_x86
+    # The user set the variable (to anything): their choice, no advice.
+    monkeypatch.setenv("TF_ENABLE_ONEDNN_OPTS", "0")
+    assert tuning.onednn_off_on_x86() is False
 
 
 def test_pipeline_keeps_order_and_rejects_non_datasets():

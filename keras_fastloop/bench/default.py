@@ -31,6 +31,7 @@ BASELINE = "keras.Model.fit (per-epoch validation)"
 VALIDATE_EVERY_2 = "OptimizedModel.fit + PeriodicValidation (every 2 epochs)"
 RECOMMENDED = "OptimizedModel, recommended setup"
 RECOMMENDED_ONEDNN = "OptimizedModel, recommended setup + oneDNN (own process)"
+RECOMMENDED_CONTROL = "OptimizedModel, recommended setup (own process, oneDNN off: control)"
 TORCH = "PyTorch eager, same CNN (float32)"
 TORCH_BF16 = "PyTorch eager, same CNN (bf16 autocast)"
 
@@ -71,6 +72,20 @@ class Data:
         ds = tf.data.Dataset.from_tensor_slices((self.x, self.y))
         ds = ds.shuffle(len(self.x), seed=0, reshuffle_each_iteration=True)
         return ds.batch(BATCH_SIZE).prefetch(tf.data.AUTOTUNE)
+
+    def train_epochs(self, epochs):
+        """One iterable of batches per epoch, in the order `fit` trains `self.train()`.
+
+        Every opening of the dataset draws the next shuffle order. Keras' epoch iterator
+        opens it once more before each epoch after the first, so `fit`'s epoch `k` trains
+        order `2k`; the hand-written loops train the same batches through this method (a
+        test compares their losses with `fit`'s).
+        """
+        dataset = self.train()
+        for epoch in range(epochs):
+            if epoch:
+                iter(dataset)
+            yield dataset
 
     def val(self):
         ds = tf.data.Dataset.from_tensor_slices((self.x_val, self.y_val))
@@ -128,10 +143,10 @@ def loop_contender(data, compiled):
 
         if compiled:
             train_step, val_step = tf.function(train_step), tf.function(val_step)
-        for _ in range(run.epochs):
+        for epoch_data in data.train_epochs(run.epochs):
             train_loss.reset_state()
             t0 = time.perf_counter()
-            for x, y in data.train():
+            for x, y in epoch_data:
                 train_step(x, y)
             loss = float(train_loss.result())  # reading the metric waits for the last step
             seconds = time.perf_counter() - t0
@@ -261,9 +276,11 @@ def contenders(data, recommended_policy=None, extras=True):
 
     With `extras` (the default; the child of `bench.own_process` passes `False`):
 
-    - where this process runs without oneDNN on an x86 CPU (TensorFlow's default there), the
-      recommended setup runs a second time in a child process with `TF_ENABLE_ONEDNN_OPTS=1`
-      (`bench.own_process`): TensorFlow reads it only at import;
+    - where this process runs without oneDNN on an x86 CPU (TensorFlow's default on CPUs
+      without AVX512_VNNI, AVX512_BF16, AVX_VNNI or AMX), the recommended setup runs twice more
+      in child processes (`bench.own_process`; TensorFlow reads the switch only at import):
+      with `TF_ENABLE_ONEDNN_OPTS=1`, and with `=0` as the control that isolates oneDNN from
+      running in a fresh process;
     - where PyTorch is installed, the same CNN in eager PyTorch (`bench.torch_contender`),
       float32, and with bf16 autocast where the recommended policy is `mixed_bfloat16`.
     """
@@ -284,9 +301,10 @@ def contenders(data, recommended_policy=None, extras=True):
         RECOMMENDED: recommended_contender(data, recommended_policy),
     }
     if extras and tuning.onednn_off_on_x86():
-        suite[RECOMMENDED_ONEDNN] = own_process_contender(
-            RECOMMENDED, {"TF_ENABLE_ONEDNN_OPTS": "1"}, data.quick, recommended_policy
-        )
+        for name, value in ((RECOMMENDED_CONTROL, "0"), (RECOMMENDED_ONEDNN, "1")):
+            suite[name] = own_process_contender(
+                RECOMMENDED, {"TF_ENABLE_ONEDNN_OPTS": value}, data.quick, recommended_policy
+            )
     if extras and torch_contender.torch_available():
         suite[TORCH] = torch_contender.torch_contender(data, LEARNING_RATE)
         if recommended_policy == "mixed_bfloat16":  # the CPU or GPU has bf16 units
@@ -394,14 +412,18 @@ def _onednn_note(runs):
     if RECOMMENDED_ONEDNN not in runs:
         return ""
     child = {run.extra.get("onednn") for run in runs[RECOMMENDED_ONEDNN]}
+    control = {run.extra.get("onednn") for run in runs[RECOMMENDED_CONTROL]}
     state = "on" if child == {True} else f"NOT on ({sorted(map(str, child))})"
+    control_state = "off" if control == {False} else f"NOT off ({sorted(map(str, control))})"
     return (
-        f"`{RECOMMENDED_ONEDNN}`: TensorFlow left oneDNN off in this process (its default "
-        "on x86 CPUs without AVX-512), so this row is the recommended setup in a child process "
-        f"started with `TF_ENABLE_ONEDNN_OPTS=1` (oneDNN {state} there), alternating with the "
-        "others; TensorFlow's import in the child is not timed. To get it, set the variable "
-        "before Python imports TensorFlow (oneDNN's kernels round differently: float32 results "
-        "change in the last digits).\n\n"
+        f"`{RECOMMENDED_ONEDNN}`: TensorFlow left oneDNN off in this process (its default on "
+        "x86 CPUs without AVX512_VNNI, AVX512_BF16, AVX_VNNI or AMX), so this row is the "
+        "recommended setup in a child process started with `TF_ENABLE_ONEDNN_OPTS=1` (oneDNN "
+        f"{state} there), and `{RECOMMENDED_CONTROL}` the same child with `=0` (oneDNN "
+        f"{control_state}): the difference between the two rows is oneDNN's, not the fresh "
+        "process'. Both alternate with the others; TensorFlow's import in a child is not "
+        "timed. To get oneDNN, set the variable before Python imports TensorFlow (its kernels "
+        "round differently: float32 results change in the last digits).\n\n"
     )
 
 
@@ -418,8 +440,10 @@ def _flops_section(rows, choice, choice_seconds):
         "|---|---|---:|---:|",
     ]
     for row in rows:
-        recommended = row["contender"] in (RECOMMENDED, RECOMMENDED_ONEDNN)
+        recommended = row["contender"] in (RECOMMENDED, RECOMMENDED_ONEDNN, RECOMMENDED_CONTROL)
         policy = choice.policy if recommended else "float32"
+        if row["contender"] == TORCH_BF16:
+            policy = "mixed_bfloat16"
         achieved = row["throughput_samples_per_s"] * train_flops
         ceiling = peak.for_policy(policy)
         row["achieved_flops"] = achieved

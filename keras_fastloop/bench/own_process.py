@@ -28,7 +28,9 @@ import numpy as np
 __all__ = ["own_process_contender"]
 
 
-def own_process_contender(contender: str, env: dict[str, str], quick: bool, policy=None):
+def own_process_contender(
+    contender: str, env: dict[str, str], quick: bool, policy=None, timeout: float = 1800.0
+):
     """A contender `train(run)` that runs `contender` of the default suite in a child process.
 
     Args:
@@ -36,6 +38,7 @@ def own_process_contender(contender: str, env: dict[str, str], quick: bool, poli
         env: dict of environment variables set in the child on top of this process's.
         quick: bool, the default suite's `quick` data (the child rebuilds the same data).
         policy: string or None, the dtype policy for the recommended-setup contender.
+        timeout: float, seconds the child may take before it is killed. Defaults to 1800.
 
     Returns:
         A callable `train(run)`. It fills `run` (curve, per-epoch training seconds and
@@ -43,8 +46,8 @@ def own_process_contender(contender: str, env: dict[str, str], quick: bool, poli
         `run.extra["onednn"]`, the child's oneDNN switch as TensorFlow reports it.
 
     Raises:
-        RuntimeError: from `train(run)`, if the child fails; the message ends with the tail
-            of its standard error.
+        RuntimeError: from `train(run)`, if the child fails or runs past `timeout`; the
+            message ends with the tail of its standard error.
     """
 
     def train(run):
@@ -65,12 +68,20 @@ def own_process_contender(contender: str, env: dict[str, str], quick: bool, poli
                     }
                 )
             )
-            child = subprocess.run(
-                [sys.executable, "-m", "keras_fastloop.bench.own_process", str(spec)],
-                env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", **env},
-                capture_output=True,
-                text=True,
-            )
+            try:
+                child = subprocess.run(
+                    [sys.executable, "-m", "keras_fastloop.bench.own_process", str(spec)],
+                    env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", **env},
+                    capture_output=True,
+                    text=True,
+                    timeout=timeout,
+                )
+            except subprocess.TimeoutExpired as e:
+                stderr = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else ""
+                raise RuntimeError(
+                    f"The own-process contender {contender!r} ran past timeout={timeout} s and "
+                    f"was killed. Its standard error ends with:\n{(stderr or '')[-3000:]}"
+                ) from None
             if child.returncode != 0 or not out.exists():
                 raise RuntimeError(
                     f"The own-process contender {contender!r} failed (exit code "

@@ -2,11 +2,11 @@
 
 A contender only where PyTorch is installed (it is not a dependency: `pip install torch`). It
 trains the same network as `default.build_cnn` from the same initial weights (converted from
-the Keras model's, `keras_weights_to_torch`), on the same batches in the same order (the
-same tf.data pipeline, read as NumPy), with the same optimizer (Adam, learning rate 1e-3,
-epsilon 1e-7 as Keras'), the same loss (mean sparse cross-entropy) and validation after every
-epoch. With `bf16=True` the forward and backward run under
-`torch.autocast("cpu", dtype=torch.bfloat16)`, PyTorch's CPU mixed precision.
+the Keras model's, `keras_weights_to_torch`), on the batches `fit` trains, in the same order
+(`default.Data.train_epochs`, read as NumPy), with the same loss (mean sparse cross-entropy),
+validation after every epoch, and Adam made to take Keras' steps (`keras_adam`). It runs on
+PyTorch's GPU where it has one, else on the CPU. With `bf16=True` the forward and backward run
+under `torch.autocast(device, dtype=torch.bfloat16)`, PyTorch's mixed precision.
 """
 
 from __future__ import annotations
@@ -16,7 +16,13 @@ import time
 
 import numpy as np
 
-__all__ = ["keras_weights_to_torch", "torch_available", "torch_contender", "torch_cnn"]
+__all__ = [
+    "keras_adam",
+    "keras_weights_to_torch",
+    "torch_available",
+    "torch_cnn",
+    "torch_contender",
+]
 
 
 def torch_available() -> bool:
@@ -78,29 +84,56 @@ def keras_weights_to_torch(weights, image_size=16):
     return [np.ascontiguousarray(w, dtype="float32") for w in out]
 
 
+def keras_adam(parameters, learning_rate=1e-3, beta_1=0.9, beta_2=0.999, epsilon=1e-7):
+    """`torch.optim.Adam` that takes `keras.optimizers.Adam`'s steps (its defaults here).
+
+    Keras folds both bias corrections into the step size and adds `epsilon` to the
+    *uncorrected* `sqrt(v)`; PyTorch adds it to the corrected `sqrt(v / (1 - beta_2**t))`. The
+    two agree when PyTorch's epsilon at step `t` is `epsilon / sqrt(1 - beta_2**t)`, which
+    `step` sets before each update (Kingma & Ba, "Adam", ICLR 2015, section 2 gives this
+    rearrangement of the update).
+
+    Returns:
+        A `torch.optim.Adam` whose `step` updates the epsilon of every parameter group first.
+    """
+    import torch
+
+    class KerasAdam(torch.optim.Adam):
+        def step(self, closure=None):
+            self.keras_steps = getattr(self, "keras_steps", 0) + 1
+            for group in self.param_groups:
+                group["eps"] = epsilon / (1.0 - beta_2**self.keras_steps) ** 0.5
+            return super().step(closure)
+
+    return KerasAdam(parameters, lr=learning_rate, betas=(beta_1, beta_2), eps=epsilon)
+
+
 def torch_contender(data, learning_rate=1e-3, bf16=False):
-    """A contender `train(run)` for `bench.harness`: the CNN in eager PyTorch."""
+    """A contender `train(run)` for `bench.harness`: the CNN in eager PyTorch.
+
+    Sets `run.extra["device"]` to the device it trained on (`"cuda"` or `"cpu"`).
+    """
 
     def train(run):
         import torch
         import torch.nn.functional as F
 
-        model = torch_cnn()
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        run.extra["device"] = device
+        model = torch_cnn().to(device)
         with torch.no_grad():
             for parameter, value in zip(
                 model.parameters(), keras_weights_to_torch(run.initial_weights)
             ):
                 parameter.copy_(torch.from_numpy(value))
-        optimizer = torch.optim.Adam(model.parameters(), lr=learning_rate, eps=1e-7)
-        autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
+        optimizer = keras_adam(model.parameters(), learning_rate)
+        autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=bf16)
 
         def batches(dataset):
             for x, y in dataset.as_numpy_iterator():
                 # tf.data hands out read-only arrays; PyTorch wants writable ones.
-                yield (
-                    torch.from_numpy(x.copy()).permute(0, 3, 1, 2),
-                    torch.from_numpy(y.copy()).long(),
-                )
+                x = torch.from_numpy(x.copy()).permute(0, 3, 1, 2).to(device)
+                yield x, torch.from_numpy(y.copy()).long().to(device)
 
         def validate():
             model.eval()
@@ -112,10 +145,10 @@ def torch_contender(data, learning_rate=1e-3, bf16=False):
             model.train()
             return correct / total
 
-        for _ in range(run.epochs):
+        for epoch_data in data.train_epochs(run.epochs):
             loss_sum = samples = 0.0
             t0 = time.perf_counter()
-            for x, y in batches(data.train()):
+            for x, y in batches(epoch_data):
                 optimizer.zero_grad(set_to_none=True)
                 with autocast:
                     loss = F.cross_entropy(model(x).float(), y)

@@ -70,9 +70,9 @@ class RecommendedSetup:
         policy: string, the global dtype policy now set.
         policy_choice: the `keras_fastloop.mixed_precision.PolicyChoice` behind it.
         steps_per_execution: `"auto"` (the compile argument). Defaults to `"auto"`.
-        onednn_off_on_x86: bool, TensorFlow runs without oneDNN's CPU kernels on this x86
-            CPU (`onednn_off_on_x86()`); `summary` then says how to try them. Defaults to
-            `False`.
+        onednn_off_on_x86: bool, the model trains on a CPU where TensorFlow left oneDNN's
+            kernels off by default (`onednn_off_on_x86()`, and no GPU); `summary` then says
+            how to try them. Defaults to `False`.
     """
 
     policy: str
@@ -113,14 +113,21 @@ class RecommendedSetup:
 
 
 def onednn_off_on_x86() -> bool:
-    """True on an x86-64 CPU where TensorFlow runs without oneDNN's kernels in this process.
+    """True where TensorFlow left oneDNN's CPU kernels off by its own default, on x86-64.
 
-    TensorFlow reads `TF_ENABLE_ONEDNN_OPTS` once, at import; unset, it leaves oneDNN off on
-    x86 CPUs without AVX-512 (where oneDNN's float32 convolutions measured 1.3-1.5x faster on
-    the bench CNN: docs/performance.md).
+    TensorFlow reads `TF_ENABLE_ONEDNN_OPTS` once, at import. Unset, on Linux it turns oneDNN
+    on only for CPUs with AVX512_VNNI, AVX512_BF16, AVX_VNNI or AMX. On an AMD EPYC with AVX2
+    only, turning it on gave the bench's recommended setup 1.58-1.83x of `fit`'s throughput
+    (docs/performance.md). False when the variable is set (the user chose), off x86-64, or
+    where TensorFlow reports no oneDNN switch. A TensorFlow built without oneDNN also reports
+    it off; the official x86-64 wheels include it.
     """
+    import os
+
     from keras_fastloop import _keras_internals
 
+    if os.environ.get("TF_ENABLE_ONEDNN_OPTS") is not None:
+        return False
     machine = platform.machine().lower()
     return _keras_internals.onednn_enabled() is False and machine in ("x86_64", "amd64")
 
@@ -199,8 +206,11 @@ def recommended_setup(
         hardware=hardware,
         timer=timer,
     )
+    on_cpu = not (hardware or mixed_precision.detect_hardware()).gpus
     setup = RecommendedSetup(
-        policy=choice.policy, policy_choice=choice, onednn_off_on_x86=onednn_off_on_x86()
+        policy=choice.policy,
+        policy_choice=choice,
+        onednn_off_on_x86=on_cpu and onednn_off_on_x86(),
     )
     if verbose:
         print(setup.summary())
