@@ -117,8 +117,7 @@ def onednn_off_on_x86() -> bool:
 
     TensorFlow reads `TF_ENABLE_ONEDNN_OPTS` once, at import. Unset, on Linux it turns oneDNN
     on only for CPUs with AVX512_VNNI, AVX512_BF16, AVX_VNNI or AMX. On an AMD EPYC with AVX2
-    only, turning it on gave the bench's recommended setup 1.58-1.83x of `fit`'s throughput
-    (docs/performance.md). False when the variable is set (the user chose), off x86-64, or
+    only, turning it on made the bench's recommended setup 1.40x faster (docs/performance.md). False when the variable is set (the user chose), off x86-64, or
     where TensorFlow reports no oneDNN switch. A TensorFlow built without oneDNN also reports
     it off; the official x86-64 wheels include it.
     """
