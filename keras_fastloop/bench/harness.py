@@ -159,6 +159,15 @@ class Run:
         return float("nan")
 
 
+def timed_run(train, run):
+    """Runs `train(run)` as every timed run: after a full garbage collection, with the cyclic
+    collector off, `run.start` set right before. Returns the peak RSS growth in MB."""
+    with _timing.collector_paused(collect_first=True), PeakRSS() as mem:
+        run.start = time.perf_counter()
+        train(run)
+    return mem.peak_mb
+
+
 def run_alternating(contenders, make_initial_weights, epochs, rounds, progress=print):
     """Run every contender `rounds` times, alternating; returns `{name: [Run, ...]}`.
 
@@ -173,11 +182,9 @@ def run_alternating(contenders, make_initial_weights, epochs, rounds, progress=p
         for name in names[shift:] + names[:shift]:
             train = contenders[name]
             run = Run(name=name, epochs=epochs, initial_weights=make_initial_weights())
-            with _timing.collector_paused(collect_first=True), PeakRSS() as mem:
-                run.start = time.perf_counter()
-                train(run)
+            peak_mb = timed_run(train, run)
             if math.isnan(run.peak_memory_mb):  # a child-process contender measures its own
-                run.peak_memory_mb = mem.peak_mb
+                run.peak_memory_mb = peak_mb
             runs[name].append(run)
             progress(
                 f"  round {r + 1}/{rounds}  {name:<44s} {run.throughput():9.0f} samples/s  "

@@ -20,7 +20,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -77,10 +76,12 @@ def own_process_contender(
                     timeout=timeout,
                 )
             except subprocess.TimeoutExpired as e:
-                stderr = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else ""
+                stderr = e.stderr or ""
+                if isinstance(stderr, bytes):
+                    stderr = stderr.decode(errors="replace")
                 raise RuntimeError(
                     f"The own-process contender {contender!r} ran past timeout={timeout} s and "
-                    f"was killed. Its standard error ends with:\n{(stderr or '')[-3000:]}"
+                    f"was killed. Its standard error ends with:\n{stderr[-3000:]}"
                 ) from None
             if child.returncode != 0 or not out.exists():
                 raise RuntimeError(
@@ -103,7 +104,7 @@ def _child(spec_path):
     spec = json.loads(Path(spec_path).read_text())
     import keras
 
-    from keras_fastloop import _keras_internals, _timing
+    from keras_fastloop import _keras_internals
     from keras_fastloop.bench import default, harness
 
     keras.utils.set_random_seed(default.SEED)  # as `default.run`: tf.data's shuffle order
@@ -112,9 +113,7 @@ def _child(spec_path):
     initial = [stored[f"arr_{i}"] for i in range(len(stored.files))]
     train = default.contenders(data, spec["policy"], extras=False)[spec["contender"]]
     run = harness.Run(name=spec["contender"], epochs=spec["epochs"], initial_weights=initial)
-    with _timing.collector_paused(collect_first=True), harness.PeakRSS() as memory:
-        run.start = time.perf_counter()
-        train(run)
+    peak_mb = harness.timed_run(train, run)
     Path(spec["out"]).write_text(
         json.dumps(
             {
@@ -123,7 +122,7 @@ def _child(spec_path):
                 "samples": run.samples,
                 "val_accuracy": run.val_accuracy,
                 "total_seconds": run.total_seconds,
-                "peak_memory_mb": memory.peak_mb,
+                "peak_memory_mb": peak_mb,
                 "onednn": _keras_internals.onednn_enabled(),
             }
         )

@@ -117,8 +117,9 @@ def onednn_off_on_x86() -> bool:
 
     TensorFlow reads `TF_ENABLE_ONEDNN_OPTS` once, at import. Unset, on Linux it turns oneDNN
     on only for CPUs with AVX512_VNNI, AVX512_BF16, AVX_VNNI or AMX. On an AMD EPYC with AVX2
-    only, turning it on made the bench's recommended setup 1.40x faster (docs/performance.md). False when the variable is set (the user chose), off x86-64, or
-    where TensorFlow reports no oneDNN switch. A TensorFlow built without oneDNN also reports
+    only, turning it on made the bench's recommended setup 1.40x faster (docs/performance.md).
+    False when the variable is set (the user chose), off x86-64, or where TensorFlow reports
+    no oneDNN switch. A TensorFlow built without oneDNN also reports
     it off; the official x86-64 wheels include it.
     """
     import os
@@ -195,6 +196,8 @@ def recommended_setup(
             "`model_fn` and `data` go together (the policy is timed on the model with one "
             f"batch). Received: model_fn={model_fn!r}, data={'None' if data is None else 'given'}"
         )
+    if hardware is None:
+        hardware = mixed_precision.detect_hardware()
     choice = mixed_precision.set_recommended_policy(
         model_fn,
         data,
@@ -205,11 +208,10 @@ def recommended_setup(
         hardware=hardware,
         timer=timer,
     )
-    on_cpu = not (hardware or mixed_precision.detect_hardware()).gpus
     setup = RecommendedSetup(
         policy=choice.policy,
         policy_choice=choice,
-        onednn_off_on_x86=on_cpu and onednn_off_on_x86(),
+        onednn_off_on_x86=not hardware.gpus and onednn_off_on_x86(),
     )
     if verbose:
         print(setup.summary())
