@@ -36,7 +36,7 @@ def make_model(steps_per_execution=1, features=8, seed=0):
     model.compile(keras.optimizers.SGD(0.01), "mse", steps_per_execution=steps_per_execution)
     if steps_per_execution == "auto":
         state = model._fastloop_auto_spe
-        state.tuner = StepsPerExecutionTuner(window=1, max_steps=32)
+        state.tuner = StepsPerExecutionTuner(window=1, min_window_seconds=0, max_steps=32)
         state.clock = _FakeClock()
     return model
 

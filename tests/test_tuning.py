@@ -28,7 +28,7 @@ def drive(tuner, seconds_for, executions, limit=None):
 
 
 def test_grows_while_it_pays_then_settles_at_the_cap():
-    tuner = StepsPerExecutionTuner(max_steps=16, window=2)
+    tuner = StepsPerExecutionTuner(max_steps=16, window=2, min_window_seconds=0)
     # Fixed 10 ms per execution overhead + 1 ms per step: larger k always pays by > 5%.
     proposals = drive(tuner, lambda k, i: 0.010 + 0.001 * k, 40)
     # warm-up, the first count alone, then each candidate in turn with the best so far
@@ -39,7 +39,7 @@ def test_grows_while_it_pays_then_settles_at_the_cap():
 
 
 def test_settles_on_the_best_when_growth_stops_paying():
-    tuner = StepsPerExecutionTuner(window=1, warmup_executions=0, patience=2)
+    tuner = StepsPerExecutionTuner(window=1, min_window_seconds=0, warmup_executions=0, patience=2)
     # Throughput improves up to k=4, then flat: 4 is the best; 8 and 16 do not pay.
     rate = {1: 100.0, 2: 180.0, 4: 300.0, 8: 305.0, 16: 306.0}
     proposals = drive(tuner, lambda k, i: k / rate[k], 12)
@@ -50,7 +50,7 @@ def test_settles_on_the_best_when_growth_stops_paying():
 
 
 def test_falls_back_to_one_when_larger_counts_are_slower():
-    tuner = StepsPerExecutionTuner(window=1, warmup_executions=0)
+    tuner = StepsPerExecutionTuner(window=1, min_window_seconds=0, warmup_executions=0)
     rate = {1: 100.0, 2: 90.0, 4: 80.0}
     proposals = drive(tuner, lambda k, i: k / rate[k], 7)
     assert proposals == [1, 2, 1, 4, 1, 1, 1]
@@ -63,7 +63,7 @@ def test_a_machine_that_speeds_up_during_the_probe_does_not_make_growth_look_pay
     Measured one after the other, each larger candidate would look ~10 % faster than the count
     measured before it; measured in alternation with it, it does not.
     """
-    tuner = StepsPerExecutionTuner(window=3, warmup_executions=0)
+    tuner = StepsPerExecutionTuner(window=3, min_window_seconds=0, warmup_executions=0)
     proposals = drive(tuner, lambda k, i: 0.01 * k * 0.97**i, 16)
     assert tuner.phase == "settled" and tuner.steps == 1
     assert ("settle", 1, "no gain") in tuner.history
@@ -72,14 +72,16 @@ def test_a_machine_that_speeds_up_during_the_probe_does_not_make_growth_look_pay
 
 def test_one_disturbed_window_of_the_best_does_not_make_growth_look_paying():
     """A slow first window (another process) used to be the yardstick for the next candidate."""
-    tuner = StepsPerExecutionTuner(window=2, warmup_executions=0, min_gain=0.05)
+    tuner = StepsPerExecutionTuner(
+        window=2, min_window_seconds=0, warmup_executions=0, min_gain=0.05
+    )
     proposals = drive(tuner, lambda k, i: 0.01 * k * (2.0 if i < 2 else 1.0), 14)
     assert tuner.steps == 1 and tuner.phase == "settled"
     assert max(proposals) == 4 and proposals[-1] == 1
 
 
 def test_warmup_observation_is_dropped():
-    tuner = StepsPerExecutionTuner(window=1, warmup_executions=1)
+    tuner = StepsPerExecutionTuner(window=1, min_window_seconds=0, warmup_executions=1)
     tuner.observe(1, 100.0)  # tracing: absurdly slow, must not count
     assert tuner.history == []
     tuner.observe(1, 0.01)
@@ -87,7 +89,9 @@ def test_warmup_observation_is_dropped():
 
 
 def test_retunes_when_throughput_drifts():
-    tuner = StepsPerExecutionTuner(max_steps=4, window=1, warmup_executions=0, drift_windows=2)
+    tuner = StepsPerExecutionTuner(
+        max_steps=4, window=1, min_window_seconds=0, warmup_executions=0, drift_windows=2
+    )
     drive(tuner, lambda k, i: 0.01 + 0.001 * k, 6)
     assert tuner.phase == "settled" and tuner.steps == 4
     # The machine gets 3x slower: two drifting windows in a row trigger a new probe.
@@ -100,7 +104,7 @@ def test_retunes_when_throughput_drifts():
 
 
 def test_no_retune_within_tolerance():
-    tuner = StepsPerExecutionTuner(max_steps=2, window=1, warmup_executions=0)
+    tuner = StepsPerExecutionTuner(max_steps=2, window=1, min_window_seconds=0, warmup_executions=0)
     drive(tuner, lambda k, i: 0.01 + 0.001 * k, 4)
     assert tuner.phase == "settled"
     drive(tuner, lambda k, i: (1.1 if i % 2 else 0.9) * (0.01 + 0.001 * k), 10)
@@ -109,7 +113,7 @@ def test_no_retune_within_tolerance():
 
 
 def test_bounds_limit_horizon_and_max_steps():
-    tuner = StepsPerExecutionTuner(max_steps=8, window=1, warmup_executions=0)
+    tuner = StepsPerExecutionTuner(max_steps=8, window=1, min_window_seconds=0, warmup_executions=0)
     proposals = drive(tuner, lambda k, i: 0.01, 12)  # constant time: every growth pays
     assert max(proposals) == 8
     assert tuner.propose(limit=3) == 3
@@ -121,14 +125,16 @@ def test_bounds_limit_horizon_and_max_steps():
 
 
 def test_does_not_grow_past_max_seconds_per_execution():
-    tuner = StepsPerExecutionTuner(window=1, warmup_executions=0, max_seconds_per_execution=0.5)
+    tuner = StepsPerExecutionTuner(
+        window=1, min_window_seconds=0, warmup_executions=0, max_seconds_per_execution=0.5
+    )
     proposals = drive(tuner, lambda k, i: 0.3 * k, 6)  # rate constant; k=2 takes 0.6 s
     assert max(proposals) <= 2
     assert tuner.phase == "settled"
 
 
 def test_executions_cut_short_are_not_measurements_and_end_the_probe():
-    tuner = StepsPerExecutionTuner(window=1, warmup_executions=0)
+    tuner = StepsPerExecutionTuner(window=1, min_window_seconds=0, warmup_executions=0)
     drive(tuner, lambda k, i: 0.01, 3)  # k=1, then k=2 against k=1: pays
     assert tuner.steps == 4
     drive(tuner, lambda k, i: 0.01, 4, limit=3)  # 4 never runs in full
@@ -136,10 +142,37 @@ def test_executions_cut_short_are_not_measurements_and_end_the_probe():
     assert tuner.steps == 2
 
 
+def test_a_window_spans_min_window_seconds_of_executions():
+    """On a fast step a window of `window` executions is too short to outlast jitter."""
+    step = 1 / 64  # seconds per step, exact in binary
+    tuner = StepsPerExecutionTuner(window=2, min_window_seconds=1 / 8, warmup_executions=0)
+    drive(tuner, lambda k, i: step * k, 7)
+    assert tuner.history == []  # 7 executions of 1/64 s < 1/8 s
+    drive(tuner, lambda k, i: step * k, 1)
+    assert tuner.history == [("probing", 1, pytest.approx(64.0))]
+    # 1/8 s of each: 4 executions of 2 steps in alternation with 1 step, then 1 step alone
+    proposals = drive(tuner, lambda k, i: step * k, 12)
+    assert proposals == [2, 1] * 4 + [1] * 4
+    assert tuner.history[-1] == ("probing", 2, pytest.approx(64.0))
+    assert tuner.phase == "probing" and tuner.steps == 4  # equal rates: a miss, patience left
+
+
+def test_open_windows_carry_over_to_the_next_fit():
+    """`fit` called once per epoch, each call shorter than a window: the probe still ends."""
+    tuner = StepsPerExecutionTuner(window=3, min_window_seconds=0, warmup_executions=1)
+    rate = {1: 100.0, 2: 180.0, 4: 300.0, 8: 310.0, 16: 312.0}
+    for _ in range(40):  # 40 `fit` calls of 3 executions each (the first is the warm-up)
+        tuner.begin()
+        drive(tuner, lambda k, i: k / rate[k], 3)
+    assert tuner.phase == "settled" and tuner.steps == 4
+    assert ("settle", 4, "no gain") in tuner.history
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [
         {"initial": 0},
+        {"min_window_seconds": -1},
         {"max_steps": 0},
         {"initial": 4, "max_steps": 2},
         {"growth_factor": 1},
@@ -230,7 +263,7 @@ def _auto_model(tuner):
 def test_periodic_validation_fires_at_exact_steps_with_auto():
     x, y = _data(200)  # 25 batches per epoch
     x_val, y_val = _data(32, seed=2)
-    model, state = _auto_model(StepsPerExecutionTuner(window=1))
+    model, state = _auto_model(StepsPerExecutionTuner(window=1, min_window_seconds=0))
     validation = PeriodicValidation((x_val, y_val), every_n_steps=7)
     model.fit(_dataset(x, y), epochs=3, callbacks=[validation], verbose=0)
     steps = [entry["step"] for entry in validation.history]
@@ -250,7 +283,7 @@ def test_auto_trains_exactly_like_one_step_per_execution():
     reference = _model()
     reference.compile(keras.optimizers.SGD(0.05), "sparse_categorical_crossentropy")
     history_1 = reference.fit(_dataset(x, y), epochs=2, verbose=0).history
-    model, state = _auto_model(StepsPerExecutionTuner(window=1))
+    model, state = _auto_model(StepsPerExecutionTuner(window=1, min_window_seconds=0))
     history_auto = model.fit(_dataset(x, y), epochs=2, verbose=0).history
     assert max(k for _, k in state.executions) > 1
     np.testing.assert_allclose(history_auto["loss"], history_1["loss"], rtol=1e-5)
@@ -266,7 +299,7 @@ def test_batch_callbacks_see_exact_batch_indices():
         def on_train_batch_end(self, batch, logs=None):
             seen.append(batch)
 
-    model, state = _auto_model(StepsPerExecutionTuner(window=1))
+    model, state = _auto_model(StepsPerExecutionTuner(window=1, min_window_seconds=0))
     model.fit(_dataset(x, y), epochs=1, callbacks=[Record()], verbose=0)
     ends = list(itertools.accumulate(k for _, k in state.executions))
     assert seen == [e - 1 for e in ends]

@@ -52,12 +52,15 @@ class StepsPerExecutionTuner:
     `observe` receives how many steps the finished execution ran and how long it took.
 
     The first `warmup_executions` observations after `begin` (each `fit`) are dropped:
-    they include tracing. Phases:
+    they include tracing. A measurement window of a count closes once it holds at least
+    `window` executions *and* `min_window_seconds` of their wall time, so a window of a fast
+    step spans enough steps to outlast the machine's jitter; a window left open when a `fit`
+    ends carries over to the next `fit`. Phases:
 
-    - `"probing"`: the first `window` executions measure `initial` alone (median of
-      steps/second). Each larger candidate (`growth_factor` times the last) is then measured
-      *in alternation with the best count so far* (candidate, best, candidate, best, ...,
-      `window` executions of each), and it becomes the best only if the median of its rates
+    - `"probing"`: the first window measures `initial` alone (median of steps/second). Each
+      larger candidate (`growth_factor` times the last) is then measured *in alternation with
+      the best count so far* (candidate, best, candidate, best, ..., a window of each), and it
+      becomes the best only if the median of its rates
       beats the median of the best's rates of the same period by more than `min_gain` (a
       fraction): a drift of the machine during the probe hits both alike, so a noisy window
       cannot make a larger count look faster than it is. After `patience` candidates in a
@@ -76,7 +79,10 @@ class StepsPerExecutionTuner:
         growth_factor: int >= 2, candidate multiplier. Defaults to `2`.
         min_gain: float >= 0, relative throughput gain a larger count must bring.
             Defaults to `0.05`.
-        window: int >= 1, executions per measurement. Defaults to `3`.
+        window: int >= 1, the fewest executions in a measurement window. Defaults to `3`.
+        min_window_seconds: float >= 0, the least wall time (seconds) of the executions in a
+            measurement window. Defaults to `0.25` (on a 30 ms step, 9 executions at one
+            step each).
         warmup_executions: int >= 0, observations dropped after `begin`. Defaults to
             `1`.
         patience: int >= 1, non-paying candidates in a row before settling. Defaults to `2`
@@ -92,7 +98,7 @@ class StepsPerExecutionTuner:
         ValueError: an argument out of range.
 
     Example:
-        >>> tuner = StepsPerExecutionTuner(warmup_executions=0, window=1)
+        >>> tuner = StepsPerExecutionTuner(warmup_executions=0, window=1, min_window_seconds=0)
         >>> tuner.propose()
         1
         >>> tuner.observe(1, 0.010)           # 100 steps/s at k=1
@@ -105,7 +111,8 @@ class StepsPerExecutionTuner:
         >>> tuner.propose()
         4
 
-    Reference: Keras 2.13 `StepsPerExecutionTuner` (grow while the rate improves).
+    Reference: Keras 2.13 `StepsPerExecutionTuner` (grow while the rate improves, measured
+    over intervals of wall time).
     """
 
     def __init__(
@@ -115,6 +122,7 @@ class StepsPerExecutionTuner:
         growth_factor: int = 2,
         min_gain: float = 0.05,
         window: int = 3,
+        min_window_seconds: float = 0.25,
         warmup_executions: int = 1,
         patience: int = 2,
         drift_tolerance: float = 0.3,
@@ -132,6 +140,7 @@ class StepsPerExecutionTuner:
         self.growth_factor = check_int("growth_factor", growth_factor, minimum=2)
         self.min_gain = check_real("min_gain", min_gain, minimum=0.0)
         self.window = check_int("window", window, minimum=1)
+        self.min_window_seconds = check_real("min_window_seconds", min_window_seconds, minimum=0.0)
         self.warmup_executions = check_int("warmup_executions", warmup_executions, minimum=0)
         self.patience = check_int("patience", patience, minimum=1)
         self.drift_tolerance = check_real(
@@ -152,9 +161,9 @@ class StepsPerExecutionTuner:
         self.reference_rate = None
         self.history = []  # (phase, steps, median steps/s) per finished window; "retune"/"settle"
         self._warmup_left = self.warmup_executions
-        self._rates = []
-        self._seconds = []
-        self._best_rates = []  # the best count's rates measured in alternation with the candidate
+        # the open windows: the candidate's rates and seconds, and the best count's measured in
+        # alternation with it
+        self._clear_windows()
         self._misses = 0
         self._off_size = 0
         self._drifts = 0
@@ -165,10 +174,11 @@ class StepsPerExecutionTuner:
     def begin(self) -> None:
         """Starts a new `fit`: the next `warmup_executions` observations are dropped.
 
-        Whatever was learned (the settled count) is kept.
+        Whatever was learned is kept: the settled count, and the open measurement windows (a
+        `fit` shorter than a window, e.g. one epoch per call, still completes the probe over
+        several calls).
         """
         self._warmup_left = self.warmup_executions
-        self._rates, self._seconds, self._best_rates = [], [], []
         self._off_size = 0
 
     def set_horizon(self, horizon: int | None) -> None:
@@ -179,10 +189,10 @@ class StepsPerExecutionTuner:
         """
         self.horizon = None if horizon is None else max(1, int(horizon))
         cap = self.cap
-        if self.candidate > cap:
-            self.candidate = cap
-        if self.best_steps > cap:
-            self.best_steps = cap
+        if self.candidate > cap or self.best_steps > cap:
+            self._clear_windows()  # they measured counts that are no longer proposed
+        self.candidate = min(self.candidate, cap)
+        self.best_steps = min(self.best_steps, cap)
 
     @property
     def cap(self) -> int:
@@ -200,8 +210,11 @@ class StepsPerExecutionTuner:
         return self.phase == "probing" and self.candidate != self.best_steps
 
     def _due(self):
-        """The count the next execution should run: while pairing, candidate and best in turn."""
-        if self._pairing and len(self._best_rates) < len(self._rates):
+        """The count the next execution should run: while pairing, candidate and best in turn
+        until one's window is full, then the other until its window is full too."""
+        if not self._pairing or self._window_full(self._best_seconds):
+            return self.candidate
+        if self._window_full(self._seconds) or len(self._best_rates) < len(self._rates):
             return self.best_steps
         return self.candidate
 
@@ -240,22 +253,29 @@ class StepsPerExecutionTuner:
         self._off_size = 0
         if paired_best:
             self._best_rates.append(steps / seconds)
+            self._best_seconds.append(seconds)
         else:
             self._rates.append(steps / seconds)
             self._seconds.append(seconds)
-        if len(self._rates) < self.window or (
-            self._pairing and len(self._best_rates) < self.window
+        if not self._window_full(self._seconds) or (
+            self._pairing and not self._window_full(self._best_seconds)
         ):
             return
         rate = statistics.median(self._rates)
         best_rate = statistics.median(self._best_rates) if self._pairing else None
         seconds_per_execution = statistics.median(self._seconds)
-        self._rates, self._seconds, self._best_rates = [], [], []
+        self._clear_windows()
         self.history.append((self.phase, self.candidate, rate))
         if self.phase == "probing":
             self._probe_decision(rate, best_rate, seconds_per_execution)
         else:
             self._drift_check(rate)
+
+    def _window_full(self, seconds):
+        return len(seconds) >= self.window and sum(seconds) >= self.min_window_seconds
+
+    def _clear_windows(self):
+        self._rates, self._seconds, self._best_rates, self._best_seconds = [], [], [], []
 
     # -- decisions --------------------------------------------------------------------------
 
@@ -280,6 +300,7 @@ class StepsPerExecutionTuner:
     def _settle(self, reason):
         self.phase = "settled"
         self.candidate = min(self.best_steps, self.cap)
+        self._clear_windows()
         self.reference_rate = self.best_rate
         self._drifts = 0
         self._misses = 0
@@ -299,6 +320,7 @@ class StepsPerExecutionTuner:
             self.phase = "probing"
             self.candidate = max(self.initial, self.candidate // self.growth_factor)
             self.best_steps, self.best_rate = self.candidate, None
+            self._clear_windows()
             self._drifts = 0
             self._misses = 0
 
@@ -310,6 +332,7 @@ class StepsPerExecutionTuner:
             "growth_factor": self.growth_factor,
             "min_gain": self.min_gain,
             "window": self.window,
+            "min_window_seconds": self.min_window_seconds,
             "warmup_executions": self.warmup_executions,
             "patience": self.patience,
             "drift_tolerance": self.drift_tolerance,
