@@ -36,6 +36,8 @@ def test_default_suite_quick(tmp_path):
         assert profile["op_ms_per_step"] > 0
         assert {r["op_type"] for r in profile["top"]} & {"Conv2DBackpropFilter", "_FusedConv2D"}
     assert "Where a step's time goes" in result["markdown"]
+    assert '`"auto"` at the end of each run' in result["markdown"]
+    assert all("steps_per_execution" in extra for extra in result["extra"][default.RECOMMENDED])
     if tuning.onednn_off_on_x86():  # x86 without oneDNN here: the child turns it on
         assert {default.RECOMMENDED_ONEDNN, default.RECOMMENDED_CONTROL} <= set(names)
         assert "(oneDNN on there)" in result["markdown"]
@@ -60,6 +62,8 @@ def test_own_process_contender_trains_what_the_in_process_one_trains():
         default.RECOMMENDED, {"TF_ENABLE_ONEDNN_OPTS": onednn}, True, policy="float32"
     )(child)
     assert child.extra["onednn"] == _keras_internals.onednn_enabled()
+    assert child.extra["steps_per_execution"].endswith(("(probing)", "(settled)"))
+    assert here.extra["steps_per_execution"].endswith(("(probing)", "(settled)"))
     assert child.samples == here.samples == [len(data.x)] * 2
     np.testing.assert_allclose([p[1] for p in child.curve], [p[1] for p in here.curve], rtol=1e-6)
     assert child.val_accuracy == pytest.approx(here.val_accuracy)

@@ -70,9 +70,12 @@ def test_submodule_exports():
         kf.mixed_precision.__all__
     )
     assert {"LossWeighting", "get", "METHODS"} <= set(kf.weighting.__all__)
-    assert {"recommended_setup", "StepsPerExecutionTuner", "optimize_pipeline"} <= set(
-        kf.tuning.__all__
-    )
+    assert {
+        "recommended_setup",
+        "StepsPerExecutionTuner",
+        "steps_per_execution_tuner",
+        "optimize_pipeline",
+    } <= set(kf.tuning.__all__)
     for module in (
         kf.clipping,
         kf.callbacks,

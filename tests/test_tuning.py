@@ -291,6 +291,24 @@ def test_auto_trains_exactly_like_one_step_per_execution():
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+def test_the_tuner_of_a_model_is_public_and_outlives_fit():
+    x, y = _data(200)
+    model, state = _auto_model(StepsPerExecutionTuner(window=1, min_window_seconds=0))
+    assert tuning.steps_per_execution_tuner(model) is state.tuner
+    model.fit(_dataset(x, y), epochs=1, verbose=0)
+    tuner = tuning.steps_per_execution_tuner(model)
+    assert tuner.steps > 1 and tuner.history  # what the first fit learned
+    learned = tuner.steps
+    model.fit(_dataset(x, y), epochs=1, verbose=0)
+    assert tuning.steps_per_execution_tuner(model) is tuner
+    assert state.executions[0][1] == learned  # the second fit starts from the learned count
+    fixed = _model()
+    fixed.compile("sgd", "sparse_categorical_crossentropy", steps_per_execution=4)
+    assert tuning.steps_per_execution_tuner(fixed) is None
+    plain = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    assert tuning.steps_per_execution_tuner(plain) is None
+
+
 def test_batch_callbacks_see_exact_batch_indices():
     x, y = _data(200)
     seen = []

@@ -206,6 +206,8 @@ def recommended_contender(data, policy=None):
                 callbacks=[harness.EpochTimer(run, len(data.x))],
                 verbose=0,
             )
+            tuner = tuning.steps_per_execution_tuner(model)
+            run.extra["steps_per_execution"] = f"{tuner.steps} ({tuner.phase})"
             run.finish(model.evaluate(data.val(), verbose=0, return_dict=True)["accuracy"])
         finally:
             keras.config.set_dtype_policy("float32")
@@ -375,7 +377,7 @@ def run(
         f"Data: scikit-learn digits (real, {len(data.x)} train / {len(data.x_val)} validation "
         f"images, 16x16), batch {BATCH_SIZE}, Adam {LEARNING_RATE}, {epochs} epochs, "
         f"validation after every epoch (except the PeriodicValidation contender: every 2 epochs), {rounds} alternating rounds (medians).\n\n"
-        f"{table}\n{_onednn_note(runs)}{_flops_section(rows, choice, choice_seconds)}\n"
+        f"{table}\n{_onednn_note(runs)}{_flops_section(rows, choice, choice_seconds, runs)}\n"
         f"{_profile_section(profiles)}\n"
         f"{SEED_CLAIM}\n"
     )
@@ -400,6 +402,7 @@ def run(
             "confirm_seconds": choice_seconds,
         },
         "curves": {name: [r.curve for r in rs] for name, rs in runs.items()},
+        "extra": {name: [r.extra for r in rs] for name, rs in runs.items()},
         "profiles": profiles,
         "markdown": markdown,
     }
@@ -427,7 +430,7 @@ def _onednn_note(runs):
     )
 
 
-def _flops_section(rows, choice, choice_seconds):
+def _flops_section(rows, choice, choice_seconds, runs):
     """Adds achieved FLOP/s and % of peak to `rows`; returns a markdown section."""
     train_flops = flops.count_flops(build_cnn()).training
     peak = flops.machine_peak()
@@ -458,4 +461,15 @@ def _flops_section(rows, choice, choice_seconds):
         f"confirmed once before the rounds in {choice_seconds:.1f} s, not counted above: "
         f'{timed or "not timed"}), `steps_per_execution="auto"`, tf.data autotune + prefetch.'
     )
+    chosen = [
+        f"{name}: " + ", ".join(run.extra.get("steps_per_execution", "?") for run in runs[name])
+        for name in (RECOMMENDED, RECOMMENDED_CONTROL, RECOMMENDED_ONEDNN)
+        if name in runs
+    ]
+    if chosen:
+        lines.append(
+            '`"auto"` at the end of each run (steps per execution, tuner phase; rounds in order): '
+            + "; ".join(chosen)
+            + "."
+        )
     return "\n".join(lines) + "\n"

@@ -41,8 +41,9 @@ def own_process_contender(
 
     Returns:
         A callable `train(run)`. It fills `run` (curve, per-epoch training seconds and
-        samples, validation accuracy, total seconds, peak RSS growth of the child) and sets
-        `run.extra["onednn"]`, the child's oneDNN switch as TensorFlow reports it.
+        samples, validation accuracy, total seconds, peak RSS growth of the child) and
+        `run.extra`: the child run's own (e.g. `"steps_per_execution"`) and `"onednn"`, the
+        child's oneDNN switch as TensorFlow reports it.
 
     Raises:
         RuntimeError: from `train(run)`, if the child fails or runs past `timeout`; the
@@ -95,7 +96,7 @@ def own_process_contender(
         run.val_accuracy = result["val_accuracy"]
         run.total_seconds = result["total_seconds"]
         run.peak_memory_mb = result["peak_memory_mb"]
-        run.extra["onednn"] = result["onednn"]
+        run.extra.update(result["extra"])
 
     return train
 
@@ -123,7 +124,7 @@ def _child(spec_path):
                 "val_accuracy": run.val_accuracy,
                 "total_seconds": run.total_seconds,
                 "peak_memory_mb": peak_mb,
-                "onednn": _keras_internals.onednn_enabled(),
+                "extra": {**run.extra, "onednn": _keras_internals.onednn_enabled()},
             }
         )
     )

@@ -17,6 +17,7 @@ The design (what Keras 3.15 allows, the grouping rule, what is not tuned) is in
 from keras_fastloop.tuning._glue import (  # noqa: F401 - used as kf.tuning.<name>
     make_train_function,
     resolve_steps_per_execution,
+    steps_per_execution_tuner,
 )
 from keras_fastloop.tuning.events import (  # noqa: F401
     batches_until_next_event,
@@ -37,6 +38,7 @@ from keras_fastloop.tuning.tuner import (  # noqa: F401
 
 __all__ = [
     "StepsPerExecutionTuner",
+    "steps_per_execution_tuner",
     "RecommendedSetup",
     "recommended_setup",
     "onednn_off_on_x86",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 
+import keras
 import tensorflow as tf
 
 from keras_fastloop.tuning.tuner import AUTO, StepsPerExecutionTuner, validate_steps_per_execution
@@ -48,6 +49,23 @@ def resolve_steps_per_execution(value, tuner=None):
 def auto_state(model):
     """The model's `_AutoState`, or `None` when it was not compiled with `"auto"`."""
     return getattr(model, "_fastloop_auto_spe", None)
+
+
+def steps_per_execution_tuner(model: keras.Model) -> StepsPerExecutionTuner | None:
+    """The tuner of a model compiled with `steps_per_execution="auto"`, else `None`.
+
+    Its `steps` is the count it runs now, `phase` `"probing"` or `"settled"`, and `history`
+    every finished measurement window (`StepsPerExecutionTuner`). It lives as long as the
+    compiled model: a second `fit` continues from what the first one learned.
+
+    Args:
+        model: any Keras model.
+
+    Returns:
+        A `StepsPerExecutionTuner` or `None`.
+    """
+    state = auto_state(model)
+    return None if state is None else state.tuner
 
 
 def tunable(model):
