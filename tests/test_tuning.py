@@ -427,6 +427,27 @@ def test_pipeline_keeps_order_and_rejects_non_datasets():
     assert got == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]
     with pytest.raises(TypeError, match="Received"):
         tuning.optimize_pipeline([1, 2, 3])
+    with pytest.raises(TypeError, match="autotune=1"):
+        tuning.optimize_pipeline(ds, autotune=1)
+    with pytest.raises(TypeError, match="cache='yes'"):
+        tuning.optimize_pipeline(ds, cache="yes")
+
+
+@pytest.mark.parametrize("autotune", [False, True])
+def test_pipeline_sets_autotuning_as_asked_over_the_datasets_own(autotune):
+    own = tf.data.Options()
+    own.autotune.enabled = not autotune
+    ds = tf.data.Dataset.range(10).batch(3).with_options(own)
+    setup = tuning.RecommendedSetup(policy="float32", policy_choice=None)
+    for optimized in (
+        tuning.optimize_pipeline(ds, autotune=autotune),
+        setup.pipeline(ds, autotune=autotune),
+    ):
+        options = optimized.options()
+        assert options.autotune.enabled is autotune
+        assert options.experimental_optimization.map_parallelization is True
+        assert [b.numpy().tolist() for b in optimized] == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]
+    assert tuning.optimize_pipeline(ds).options().autotune.enabled is False  # the default
 
 
 def test_step_events_in_batches():

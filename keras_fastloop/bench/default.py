@@ -184,7 +184,8 @@ def confirm_recommended_policy(data, steps=10):
 
 def recommended_contender(data, policy=None):
     """OptimizedModel with `tuning.recommended_setup`: the policy (confirmed by timing before
-    the rounds, else the hardware rule), `steps_per_execution="auto"`, `optimize_pipeline`."""
+    the rounds, else the hardware rule), `steps_per_execution="auto"`, `optimize_pipeline`
+    for the training and the validation data."""
 
     def train(run):
         chosen = policy or mixed_precision.recommended_policy()
@@ -202,7 +203,7 @@ def recommended_contender(data, policy=None):
             model.fit(
                 setup.pipeline(data.train()),
                 epochs=run.epochs,
-                validation_data=data.val(),
+                validation_data=setup.pipeline(data.val()),
                 callbacks=[harness.EpochTimer(run, len(data.x))],
                 verbose=0,
             )
@@ -459,7 +460,7 @@ def _flops_section(rows, choice, choice_seconds, runs):
     lines.append(
         f"\nRecommended setup: policy `{choice.policy}` (hardware rule: `{choice.recommended}`; "
         f"confirmed once before the rounds in {choice_seconds:.1f} s, not counted above: "
-        f'{timed or "not timed"}), `steps_per_execution="auto"`, tf.data autotune + prefetch.'
+        f'{timed or "not timed"}), `steps_per_execution="auto"`, `optimize_pipeline` (prefetch, tf.data autotuning off).'
     )
     chosen = [
         f"{name}: " + ", ".join(run.extra.get("steps_per_execution", "?") for run in runs[name])

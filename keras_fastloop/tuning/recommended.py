@@ -22,24 +22,37 @@ if TYPE_CHECKING:
 __all__ = ["RecommendedSetup", "onednn_off_on_x86", "optimize_pipeline", "recommended_setup"]
 
 
-def optimize_pipeline(dataset: tf.data.Dataset, cache: bool = False) -> tf.data.Dataset:
+def optimize_pipeline(
+    dataset: tf.data.Dataset, cache: bool = False, autotune: bool = False
+) -> tf.data.Dataset:
     """A tf.data pipeline that overlaps input work with training.
 
-    Turns on tf.data's autotuning and parallel/fused map optimizations, optionally caches the
-    (already batched) elements in memory, and ends with `prefetch(tf.data.AUTOTUNE)`. The
-    element order is unchanged (`deterministic` stays on).
+    Turns on tf.data's parallel and fused map optimizations, sets its autotuning as asked
+    (off by default), optionally caches the (already batched) elements in memory, and ends
+    with `prefetch(tf.data.AUTOTUNE)`. The element order is unchanged (`deterministic` stays
+    on).
+
+    Autotuning is off by default because its model thread stalled the end of every other
+    epoch on a busy 2-core CPU: deleting the epoch's iterator waited about 0.55 s for it, in
+    4 to 8 of 11 epochs of the bench CNN, and turning it off made `fit` 1.15x faster
+    (`docs/performance.md`). Without it `AUTOTUNE` parallelism and buffer sizes take tf.data's
+    fixed defaults.
 
     Args:
         dataset: a `tf.data.Dataset` of batches.
         cache: bool, cache the elements in memory after the first pass (only for data sets that
             fit in memory and whose elements do not change between epochs; shuffling before
             batching would be frozen). Defaults to `False`.
+        autotune: bool, `tf.data.Options().autotune.enabled` for the whole pipeline (it
+            overrides the dataset's own setting). Turn it on for pipelines with parallel maps
+            on machines with cores to spare. Defaults to `False`.
 
     Returns:
         The `tf.data.Dataset` to pass to `fit`.
 
     Raises:
-        TypeError: if `dataset` is not a `tf.data.Dataset`.
+        TypeError: if `dataset` is not a `tf.data.Dataset`, or `cache` or `autotune` is not
+            a bool.
 
     Example:
         >>> ds = tf.data.Dataset.range(8).batch(4)
@@ -52,8 +65,11 @@ def optimize_pipeline(dataset: tf.data.Dataset, cache: bool = False) -> tf.data.
         raise TypeError(
             f"`dataset` must be a tf.data.Dataset. Received: dataset={type(dataset).__name__}"
         )
+    for name, value in (("cache", cache), ("autotune", autotune)):
+        if not isinstance(value, bool):
+            raise TypeError(f"`{name}` must be a bool. Received: {name}={value!r}")
     options = tf.data.Options()
-    options.autotune.enabled = True
+    options.autotune.enabled = autotune
     options.experimental_optimization.map_parallelization = True
     options.experimental_optimization.parallel_batch = True
     dataset = dataset.with_options(options)
@@ -85,9 +101,11 @@ class RecommendedSetup:
         """Keyword arguments for `OptimizedModel.compile`: `{"steps_per_execution": ...}`."""
         return {"steps_per_execution": self.steps_per_execution}
 
-    def pipeline(self, dataset: tf.data.Dataset, cache: bool = False) -> tf.data.Dataset:
-        """The dataset through `optimize_pipeline`."""
-        return optimize_pipeline(dataset, cache=cache)
+    def pipeline(
+        self, dataset: tf.data.Dataset, cache: bool = False, autotune: bool = False
+    ) -> tf.data.Dataset:
+        """The dataset through `optimize_pipeline` (same arguments and errors)."""
+        return optimize_pipeline(dataset, cache=cache, autotune=autotune)
 
     def summary(self) -> str:
         """One line: what was chosen, why, and how to undo it."""
@@ -155,7 +173,8 @@ def recommended_setup(
     2. `steps_per_execution="auto"` for `compile` (see `docs/fit_loop.md`): it starts
        at 1 (Keras' default) and grows only while measured throughput improves, so it falls back
        to 1 when larger counts do not pay.
-    3. `RecommendedSetup.pipeline`: prefetch/autotune for a tf.data input.
+    3. `RecommendedSetup.pipeline`: prefetch and map optimizations for a tf.data input,
+       tf.data's autotuning off (`optimize_pipeline`).
 
     Call it before building the model (layers take the policy when they are created). The
     model's output layers that feed losses should be float32 (`dtype="float32"` or
