@@ -136,13 +136,16 @@ def fit(model, keras_fit, args, kwargs):
         auto = None
     if auto is not None:
         auto.executions = []
-        auto.tuner.begin()
+        auto.tuner.begin(warmup=False)  # the executions that trace are left out instead
+        arguments["callbacks"] = _with_execution_clock(arguments["callbacks"], auto)
     run = FitRun(model, _flatten(arguments["callbacks"]), auto)
     previous = current_run(model)
     object.__setattr__(model, "_fastloop_fit_run", run)  # untracked runtime state
     try:
         return keras_fit(**arguments)
     finally:
+        if auto is not None and isinstance(arguments["callbacks"], keras.callbacks.CallbackList):
+            arguments["callbacks"].callbacks.remove(auto.execution_clock)
         if previous is None:
             model.__dict__.pop("_fastloop_fit_run", None)
         else:
@@ -151,6 +154,28 @@ def fit(model, keras_fit, args, kwargs):
             run.iterator.__dict__.pop("_enumerate_iterator", None)
         if auto is not None:
             auto.k = 1
+
+
+class _ExecutionClock(keras.callbacks.Callback):
+    """Marks the end of each execution for `"auto"`, before any other callback's
+    `on_train_batch_end`, so that an event's work (a checkpoint, a validation) is not counted as
+    the execution's time."""
+
+    def __init__(self, state):
+        super().__init__()
+        self.state = state
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.state.execution_end = self.state.clock()
+
+
+def _with_execution_clock(callbacks, state):
+    """`callbacks` with the execution clock first (a `CallbackList` is changed in place)."""
+    state.execution_clock = _ExecutionClock(state)
+    if isinstance(callbacks, keras.callbacks.CallbackList):
+        callbacks.callbacks.insert(0, state.execution_clock)
+        return callbacks
+    return [state.execution_clock, *(callbacks or [])]
 
 
 def maybe_symbolic_build(model, keras_maybe_symbolic_build, iterator=None, data_batch=None):
@@ -261,18 +286,19 @@ def _grouped(run, slots):
     """Joins Keras' one-batch slots into executions of `k` steps (`"auto"`).
 
     `k = tuner.propose(min(batches to the epoch end, batches to the next step event))`; on
-    data of unknown length `k = 1` (no batch is read before Keras would read it).
+    data of unknown length `k = 1` (no batch is read before Keras would read it). Each
+    execution is timed from its slot to the first `on_train_batch_end` (`_ExecutionClock`),
+    the epoch's last one and one that ends at a step event included; one whose call traced a
+    function is left out.
     """
     state, model, iterator = run.auto, run.model, run.iterator
     accumulation = _accumulation(model)
     read_step = events.reads_optimizer_step(run.callbacks)
     known_length = iterator.data_adapter.num_batches is not None
     num_batches = iterator.num_batches
-    pending = None  # (steps, start time, cut short by an event)
+    pending = None  # (steps, start time) of the execution yielded last, if it is measured
     for begin, end, data_iterator in slots:
-        now = state.clock()
-        if pending is not None and not pending[2]:
-            state.tuner.observe(pending[0], now - pending[1])
+        _observe(state, pending)
         taken, last, gap = 1, end, None
         if known_length:
             limit = num_batches - begin if num_batches else None
@@ -289,8 +315,18 @@ def _grouped(run, slots):
                 taken += 1
         state.k = taken
         state.executions.append((begin, taken))
-        pending = (taken, state.clock(), not known_length or (gap is not None and taken >= gap))
+        state.execution_end = None
+        state.traced = False
+        pending = (taken, state.clock()) if known_length else None
         yield begin, last, data_iterator
+    _observe(state, pending)  # the epoch's last execution: its callbacks have run
+
+
+def _observe(state, pending):
+    """Feeds the tuner the execution `pending` if it ran to its `on_train_batch_end` without
+    tracing a function."""
+    if pending is not None and state.execution_end is not None and not state.traced:
+        state.tuner.observe(pending[0], state.execution_end - pending[1])
 
 
 try:

@@ -31,8 +31,15 @@ def test_grows_while_it_pays_then_settles_at_the_cap():
     tuner = StepsPerExecutionTuner(max_steps=16, window=2, min_window_seconds=0)
     # Fixed 10 ms per execution overhead + 1 ms per step: larger k always pays by > 5%.
     proposals = drive(tuner, lambda k, i: 0.010 + 0.001 * k, 40)
-    # warm-up, the first count alone, then each candidate in turn with the best so far
-    assert proposals[: 1 + 2 + 4 * 4] == [1, 1, 1, 2, 1, 2, 1, 4, 2, 4, 2, 8, 4, 8, 4, 16, 8, 16, 8]
+    # warm-up, the first count alone, then each candidate (its first execution dropped: the
+    # first call of a count may trace) in turn with the best so far
+    assert proposals[:23] == [1, 1, 1] + [2, 2, 1, 2, 1] + [4, 4, 2, 4, 2] + [8, 8, 4, 8, 4] + [
+        16,
+        16,
+        8,
+        16,
+        8,
+    ]
     assert tuner.phase == "settled"
     assert tuner.steps == 16
     assert max(proposals) == 16
@@ -86,6 +93,11 @@ def test_warmup_observation_is_dropped():
     assert tuner.history == []
     tuner.observe(1, 0.01)
     assert tuner.history == [("probing", 1, pytest.approx(100.0))]
+    assert tuner.propose() == 2
+    tuner.observe(2, 100.0)  # the first call of a new count: dropped as well
+    tuner.observe(2, 0.01)
+    tuner.observe(1, 0.01)
+    assert tuner.history[-1] == ("probing", 2, pytest.approx(200.0))
 
 
 def test_retunes_when_throughput_drifts():
@@ -150,9 +162,9 @@ def test_a_window_spans_min_window_seconds_of_executions():
     assert tuner.history == []  # 7 executions of 1/64 s < 1/8 s
     drive(tuner, lambda k, i: step * k, 1)
     assert tuner.history == [("probing", 1, pytest.approx(64.0))]
-    # 1/8 s of each: 4 executions of 2 steps in alternation with 1 step, then 1 step alone
-    proposals = drive(tuner, lambda k, i: step * k, 12)
-    assert proposals == [2, 1] * 4 + [1] * 4
+    # strict alternation until both windows hold 1/8 s: 8 executions of 1 step, 8 of 2 steps
+    proposals = drive(tuner, lambda k, i: step * k, 16)
+    assert proposals == [2, 1] * 8
     assert tuner.history[-1] == ("probing", 2, pytest.approx(64.0))
     assert tuner.phase == "probing" and tuner.steps == 4  # equal rates: a miss, patience left
 
@@ -166,6 +178,65 @@ def test_open_windows_carry_over_to_the_next_fit():
         drive(tuner, lambda k, i: k / rate[k], 3)
     assert tuner.phase == "settled" and tuner.steps == 4
     assert ("settle", 4, "no gain") in tuner.history
+
+
+def test_a_new_fit_on_other_data_does_not_make_growth_look_paying():
+    """Windows carried over to a 10x slower `fit`: every pair is measured within one `fit`."""
+    tuner = StepsPerExecutionTuner(window=3, min_window_seconds=0, warmup_executions=0)
+    drive(tuner, lambda k, i: 0.001 * k, 4)  # k=1 alone, then k=2's first (dropped) execution
+    drive(tuner, lambda k, i: 0.001 * k, 3)  # fit A: 1000 steps/s at every count
+    tuner.begin()
+    drive(tuner, lambda k, i: 0.01 * k, 40)  # fit B: 100 steps/s at every count
+    assert tuner.phase == "settled" and tuner.steps == 1
+
+
+def test_one_slow_execution_does_not_close_a_window_alone():
+    """A retrace of 0.5 s used to fill the candidate's 0.25 s window by itself; the counts now
+    alternate strictly until both windows are full."""
+    tuner = StepsPerExecutionTuner(window=3, min_window_seconds=0.25, warmup_executions=0)
+    drive(tuner, lambda k, i: 0.001 * k, 250)  # k=1 alone: 250 executions of 1 ms
+    assert tuner.history == [("probing", 1, pytest.approx(1000.0))]
+    tuner.observe(2, 0.5)  # the candidate's first execution: slow
+    proposals = drive(tuner, lambda k, i: 0.001 * k, 1500)
+    assert proposals[:9] == [1, 2, 1, 2, 1, 2, 1, 2, 1]
+    assert len(tuner.history) >= 2 and tuner.history[1][:2] == ("probing", 2)
+    assert ("settle", 1, "no gain") in tuner.history  # 1 ms per step at every count
+
+
+def test_a_cap_that_changes_the_choice_is_measured_afresh():
+    tuner = StepsPerExecutionTuner(max_steps=8, window=1, min_window_seconds=0, warmup_executions=0)
+    drive(tuner, lambda k, i: 0.01, 20)  # constant time per execution: settles at 8
+    assert tuner.phase == "settled" and tuner.steps == 8
+    tuner.set_horizon(2)
+    drive(tuner, lambda k, i: 0.01, 6)  # 200 steps/s now, 800 before: not a drift
+    assert not any(entry[0] == "retune" for entry in tuner.history)
+    with pytest.raises(ValueError, match="horizon"):
+        tuner.set_horizon(0)
+
+
+def test_a_retune_stays_within_the_cap():
+    tuner = StepsPerExecutionTuner(initial=4, window=1, min_window_seconds=0, warmup_executions=0)
+    tuner.set_horizon(2)
+    drive(tuner, lambda k, i: 0.01, 3)
+    assert tuner.phase == "settled" and tuner.steps == 2
+    drive(tuner, lambda k, i: 0.1, 4)  # 10x slower: drift, retune
+    assert any(entry[0] == "retune" for entry in tuner.history)
+    assert tuner.steps <= tuner.cap == 2
+
+
+def test_cut_short_and_non_finite_executions_are_not_measurements():
+    tuner = StepsPerExecutionTuner(window=1, min_window_seconds=0, warmup_executions=0)
+    drive(tuner, lambda k, i: 0.01, 1)  # k=1 measured: k=2 is the candidate
+    assert tuner._pairing and tuner._due() == 2
+    tuner.observe(1, float("inf"))
+    tuner.observe(1, float("nan"))
+    # the candidate cut to the best's count by a limit, over several fits
+    for _ in range(2):  # 2 + 2 in a row across fits: 4 * window
+        tuner.begin()
+        drive(tuner, lambda k, i: 0.01, 1, limit=1)
+    assert tuner.phase == "settled" and tuner.steps == 1
+    assert ("settle", 1, "candidate cannot run in full") in tuner.history
+    assert tuner._best_rates == [] and tuner._rates == []
 
 
 @pytest.mark.parametrize(
@@ -289,6 +360,33 @@ def test_auto_trains_exactly_like_one_step_per_execution():
     np.testing.assert_allclose(history_auto["loss"], history_1["loss"], rtol=1e-5)
     for a, b in zip(model.get_weights(), reference.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("horizon", ["epoch", "event"])
+def test_a_candidate_at_the_horizon_is_measured_and_the_probe_settles(horizon):
+    """Executions that end at the epoch end or at a step event are measured too: before, a
+    candidate equal to the horizon was never measured and the probe never ended."""
+    x, y = _data(32)  # 4 batches per epoch
+    model, state = _auto_model(
+        StepsPerExecutionTuner(window=2, min_window_seconds=0, warmup_executions=1)
+    )
+    callbacks = []
+    if horizon == "event":  # an event every 2 steps, besides the epoch end
+        callbacks = [keras.callbacks.ModelCheckpoint("unused.keras", save_freq=10**9)]
+        callbacks[0].steps_until_next_event = lambda step: 2 - step % 2
+    model.fit(_dataset(x, y), epochs=30, callbacks=callbacks, verbose=0)
+    assert state.tuner.phase == "settled"
+    assert state.tuner.steps == (4 if horizon == "epoch" else 2)
+
+
+def test_a_loop_of_short_fits_finishes_the_probe():
+    x, y = _data(32)  # 4 batches per epoch
+    model, state = _auto_model(
+        StepsPerExecutionTuner(window=2, min_window_seconds=0, warmup_executions=1)
+    )
+    for _ in range(40):
+        model.fit(_dataset(x, y), epochs=1, verbose=0)
+    assert state.tuner.phase == "settled" and state.tuner.steps == 4
 
 
 def test_the_tuner_of_a_model_is_public_and_outlives_fit():

@@ -22,6 +22,9 @@ class _AutoState:
         self.tuner = tuner
         self.k = 1  # steps of the execution about to run; read by the train function
         self.clock = time.perf_counter
+        self.execution_end = None  # clock() at the running execution's first on_train_batch_end
+        self.traced = False  # whether the last train-function call traced a function
+        self.execution_clock = None  # the fit loop's callback that sets it
         self.executions = []  # (begin_step, steps) of the current fit, for tests and reports
 
 
@@ -54,9 +57,12 @@ def auto_state(model):
 def steps_per_execution_tuner(model: keras.Model) -> StepsPerExecutionTuner | None:
     """The tuner of a model compiled with `steps_per_execution="auto"`, else `None`.
 
-    Its `steps` is the count it runs now, `phase` `"probing"` or `"settled"`, and `history`
-    every finished measurement window (`StepsPerExecutionTuner`). It lives as long as the
-    compiled model: a second `fit` continues from what the first one learned.
+    Its `phase` is `"probing"` or `"settled"`; `steps` the count under test while probing (it
+    alternates with `best_steps`), the chosen count once settled; `history` a
+    `(phase, steps, median steps/s)` entry per finished measurement window, and
+    `("settle", steps, reason)` / `("retune", steps, steps/s)` entries
+    (`StepsPerExecutionTuner`). It lives as long as the compiled model: a second `fit`
+    continues from what the first one learned.
 
     Args:
         model: any Keras model.
@@ -89,6 +95,7 @@ def _variable_steps_function(model, step_function, state):
     one_step_on_data = tf.function(
         one_step_on_data, reduce_retracing=True, jit_compile=model.jit_compile
     )
+    traceable = [one_step_on_data]
     one_step_on_data = model._autoconvert_optionals(one_step_on_data)
 
     @tf.autograph.experimental.do_not_convert
@@ -143,15 +150,23 @@ def _variable_steps_function(model, step_function, state):
         return one_step_on_data(iterator.get_next())
 
     one_step_on_iterator = tf.function(one_step_on_iterator, reduce_retracing=True)
+    traceable += [multi_step_on_iterator, one_step_on_iterator]
+
+    def traces():
+        return sum(f.experimental_get_tracing_count() for f in traceable)
 
     def function(iterator):
         if isinstance(iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)):
-            if state.k == 1:
-                return one_step_on_iterator(iterator)
-            optional = multi_step_on_iterator(iterator, tf.constant(state.k, tf.int32))
-            if not optional.has_value():
-                raise StopIteration
-            return optional.get_value()
+            before = traces()
+            try:
+                if state.k == 1:
+                    return one_step_on_iterator(iterator)
+                optional = multi_step_on_iterator(iterator, tf.constant(state.k, tf.int32))
+                if not optional.has_value():
+                    raise StopIteration
+                return optional.get_value()
+            finally:
+                state.traced = traces() > before  # the tuner leaves such executions out
         outputs = None
         for _, data in zip(range(max(1, state.k)), iterator):  # train_on_batch & co.
             outputs = one_step_on_data(data)

@@ -27,7 +27,8 @@ def optimize_pipeline(
 ) -> tf.data.Dataset:
     """A tf.data pipeline that overlaps input work with training.
 
-    Turns on tf.data's parallel and fused map optimizations, sets its autotuning as asked
+    Turns on tf.data's `map_parallelization` and `parallel_batch` optimizations, sets its
+    autotuning as asked
     (off by default), optionally caches the (already batched) elements in memory, and ends
     with `prefetch(tf.data.AUTOTUNE)`. The element order is unchanged (`deterministic` stays
     on).
@@ -201,7 +202,7 @@ def recommended_setup(
             `mixed_precision.set_recommended_policy`; a non-bool `verbose`.
 
     Example:
-        >>> setup = recommended_setup()          # before building the model
+        >>> setup = recommended_setup()  # before building the model; prints   # doctest: +SKIP
         >>> model = OptimizedModel(inputs, outputs)             # doctest: +SKIP
         >>> model.compile("adam", "mse", **setup.compile_kwargs)  # doctest: +SKIP
         >>> model.fit(setup.pipeline(train_ds), epochs=3)        # doctest: +SKIP

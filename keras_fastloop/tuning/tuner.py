@@ -9,6 +9,7 @@ dropped).
 
 from __future__ import annotations
 
+import math
 import statistics
 from typing import Any
 
@@ -51,19 +52,21 @@ class StepsPerExecutionTuner:
     A pure state machine: `propose` says how many steps the next execution should run,
     `observe` receives how many steps the finished execution ran and how long it took.
 
-    The first `warmup_executions` observations after `begin` (each `fit`) are dropped:
-    they include tracing. A measurement window of a count closes once it holds at least
-    `window` executions *and* `min_window_seconds` of their wall time, so a window of a fast
-    step spans enough steps to outlast the machine's jitter; a window left open when a `fit`
-    ends carries over to the next `fit`. Phases:
+    The first `warmup_executions` observations after `begin` (each `fit`), and the first
+    `warmup_executions` of each count never observed before, are dropped: they may include
+    tracing. A measurement window closes once it holds at least `window` executions *and*
+    `min_window_seconds` of their wall time, so a window of a fast step spans enough steps to
+    outlast the machine's jitter; a window left open when a `fit` ends carries over to the next
+    `fit`. Phases:
 
     - `"probing"`: the first window measures `initial` alone (median of steps/second). Each
-      larger candidate (`growth_factor` times the last) is then measured *in alternation with
-      the best count so far* (candidate, best, candidate, best, ..., a window of each), and it
-      becomes the best only if the median of its rates
-      beats the median of the best's rates of the same period by more than `min_gain` (a
-      fraction): a drift of the machine during the probe hits both alike, so a noisy window
-      cannot make a larger count look faster than it is. After `patience` candidates in a
+      larger candidate (`growth_factor` times the last) is then measured *in strict
+      alternation with the best count so far* (candidate, best, candidate, best, ..., until
+      both windows are full), and it becomes the best only if the median of the ratios of
+      each candidate execution's rate to that of the best execution paired with it exceeds
+      `1 + min_gain`: a drift of the machine during the probe, or a new `fit` on other data,
+      hits both sides of a pair alike, so it cannot make a larger count look faster than it
+      is. After `patience` candidates in a
       row that do not pay, or when the next candidate would pass the cap (`max_steps` and the
       horizon set with `set_horizon`) or one execution already takes
       `max_seconds_per_execution`, it settles on the best. Observations of other step counts
@@ -161,6 +164,8 @@ class StepsPerExecutionTuner:
         self.reference_rate = None
         self.history = []  # (phase, steps, median steps/s) per finished window; "retune"/"settle"
         self._warmup_left = self.warmup_executions
+        self._observed_counts = set()  # counts whose first executions were dropped already
+        self._new_count_left = 0
         # the open windows: the candidate's rates and seconds, and the best count's measured in
         # alternation with it
         self._clear_windows()
@@ -171,26 +176,37 @@ class StepsPerExecutionTuner:
 
     # -- inputs ----------------------------------------------------------------------------
 
-    def begin(self) -> None:
-        """Starts a new `fit`: the next `warmup_executions` observations are dropped.
+    def begin(self, warmup: bool = True) -> None:
+        """Starts a new `fit`.
 
         Whatever was learned is kept: the settled count, and the open measurement windows (a
         `fit` shorter than a window, e.g. one epoch per call, still completes the probe over
         several calls).
+
+        Args:
+            warmup: bool, drop the next `warmup_executions` observations (they may include
+                tracing). `fit` passes `False`: it leaves out the executions that traced.
+                Defaults to `True`.
         """
-        self._warmup_left = self.warmup_executions
-        self._off_size = 0
+        self._warmup_left = self.warmup_executions if warmup else 0
 
     def set_horizon(self, horizon: int | None) -> None:
         """Caps every proposal at `horizon` steps (e.g. the period of a step-gated callback).
 
         Args:
             horizon: int >= 1 or `None` (no cap besides `max_steps`).
+
+        Raises:
+            ValueError: `horizon` neither `None` nor an int >= 1.
         """
-        self.horizon = None if horizon is None else max(1, int(horizon))
+        if horizon is not None:
+            horizon = _validation.check_int("horizon", horizon, minimum=1)
+        self.horizon = horizon
         cap = self.cap
         if self.candidate > cap or self.best_steps > cap:
-            self._clear_windows()  # they measured counts that are no longer proposed
+            # what was measured belongs to counts that are no longer proposed
+            self._clear_windows()
+            self.best_rate = self.reference_rate = None
         self.candidate = min(self.candidate, cap)
         self.best_steps = min(self.best_steps, cap)
 
@@ -201,7 +217,8 @@ class StepsPerExecutionTuner:
 
     @property
     def steps(self) -> int:
-        """The count the tuner wants now (the candidate while probing, the choice when settled)."""
+        """The count under test while probing (it alternates with `best_steps`), the chosen
+        count once settled."""
         return self.candidate
 
     @property
@@ -210,11 +227,8 @@ class StepsPerExecutionTuner:
         return self.phase == "probing" and self.candidate != self.best_steps
 
     def _due(self):
-        """The count the next execution should run: while pairing, candidate and best in turn
-        until one's window is full, then the other until its window is full too."""
-        if not self._pairing or self._window_full(self._best_seconds):
-            return self.candidate
-        if self._window_full(self._seconds) or len(self._best_rates) < len(self._rates):
+        """The count the next execution should run: while pairing, candidate and best in turn."""
+        if self._pairing and len(self._best_rates) < len(self._rates):
             return self.best_steps
         return self.candidate
 
@@ -236,22 +250,34 @@ class StepsPerExecutionTuner:
     def observe(self, steps: int, seconds: float) -> None:
         """Feeds the measurement of one finished execution.
 
+        An execution that did not run the count due (cut short by a limit), or whose
+        `seconds` is not a finite positive number, is not a measurement; after `4 * window`
+        of them in a row, across `fit`s, a probe settles on the best count so far.
+
         Args:
             steps: int, steps the execution ran.
-            seconds: float, its wall time (training plus the per-execution overhead: callbacks,
-                dispatch).
+            seconds: float, its wall time (training plus the per-execution overhead:
+                dispatch, the callbacks' `on_train_batch_begin`).
         """
+        due = self._due()
         if self._warmup_left > 0:
             self._warmup_left -= 1
+            if steps == due:
+                self._observed_counts.add(steps)  # this was the count's first execution
             return
-        paired_best = self._pairing and steps == self.best_steps
-        if not (steps == self.candidate or paired_best) or not seconds > 0:
+        if steps != due or not (math.isfinite(seconds) and seconds > 0):
             self._off_size += 1
             if self.phase == "probing" and self._off_size >= 4 * self.window:
                 self._settle(reason="candidate cannot run in full")
             return
         self._off_size = 0
-        if paired_best:
+        if steps not in self._observed_counts:  # a new count's first executions: tracing
+            self._observed_counts.add(steps)
+            self._new_count_left = self.warmup_executions
+        if self._new_count_left > 0:
+            self._new_count_left -= 1
+            return
+        if self._pairing and due == self.best_steps:
             self._best_rates.append(steps / seconds)
             self._best_seconds.append(seconds)
         else:
@@ -261,13 +287,18 @@ class StepsPerExecutionTuner:
             self._pairing and not self._window_full(self._best_seconds)
         ):
             return
+        if self._pairing and len(self._best_rates) < len(self._rates):
+            return  # strict alternation: the best's execution paired with the last candidate's
         rate = statistics.median(self._rates)
-        best_rate = statistics.median(self._best_rates) if self._pairing else None
+        gain = None
+        if self._pairing:
+            gain = statistics.median(c / b for c, b in zip(self._rates, self._best_rates))
+            self.best_rate = statistics.median(self._best_rates)
         seconds_per_execution = statistics.median(self._seconds)
         self._clear_windows()
         self.history.append((self.phase, self.candidate, rate))
         if self.phase == "probing":
-            self._probe_decision(rate, best_rate, seconds_per_execution)
+            self._probe_decision(rate, gain, seconds_per_execution)
         else:
             self._drift_check(rate)
 
@@ -279,14 +310,13 @@ class StepsPerExecutionTuner:
 
     # -- decisions --------------------------------------------------------------------------
 
-    def _probe_decision(self, rate, best_rate, seconds_per_execution):
-        """`rate`: the candidate's median; `best_rate`: the best's median in the same period
-        (`None` while the first count is measured alone)."""
-        if best_rate is None or rate > best_rate * (1.0 + self.min_gain):
+    def _probe_decision(self, rate, gain, seconds_per_execution):
+        """`rate`: the candidate's median rate; `gain`: the median ratio of its rates to the
+        paired best's (`None` while the first count is measured alone)."""
+        if gain is None or gain > 1.0 + self.min_gain:
             self.best_steps, self.best_rate = self.candidate, rate
             self._misses = 0
         else:
-            self.best_rate = best_rate  # the best's rate as measured now
             self._misses += 1
             if self._misses >= self.patience:
                 self._settle(reason="no gain")
@@ -318,7 +348,7 @@ class StepsPerExecutionTuner:
         if self._drifts >= self.drift_windows:
             self.history.append(("retune", self.candidate, rate))
             self.phase = "probing"
-            self.candidate = max(self.initial, self.candidate // self.growth_factor)
+            self.candidate = min(max(self.initial, self.candidate // self.growth_factor), self.cap)
             self.best_steps, self.best_rate = self.candidate, None
             self._clear_windows()
             self._drifts = 0
