@@ -378,7 +378,7 @@ def run(
         f"Data: scikit-learn digits (real, {len(data.x)} train / {len(data.x_val)} validation "
         f"images, 16x16), batch {BATCH_SIZE}, Adam {LEARNING_RATE}, {epochs} epochs, "
         f"validation after every epoch (except the PeriodicValidation contender: every 2 epochs), {rounds} alternating rounds (medians).\n\n"
-        f"{table}\n{_onednn_note(runs)}{_flops_section(rows, choice, choice_seconds, runs)}\n"
+        f"{table}\n{_onednn_note(runs)}{_flops_section(rows, choice, choice_seconds)}{_auto_note(runs)}\n"
         f"{_profile_section(profiles)}\n"
         f"{SEED_CLAIM}\n"
     )
@@ -431,7 +431,7 @@ def _onednn_note(runs):
     )
 
 
-def _flops_section(rows, choice, choice_seconds, runs):
+def _flops_section(rows, choice, choice_seconds):
     """Adds achieved FLOP/s and % of peak to `rows`; returns a markdown section."""
     train_flops = flops.count_flops(build_cnn()).training
     peak = flops.machine_peak()
@@ -462,15 +462,20 @@ def _flops_section(rows, choice, choice_seconds, runs):
         f"confirmed once before the rounds in {choice_seconds:.1f} s, not counted above: "
         f'{timed or "not timed"}), `steps_per_execution="auto"`, `optimize_pipeline` (prefetch, tf.data autotuning off).'
     )
+    return "\n".join(lines) + "\n"
+
+
+def _auto_note(runs):
+    """A line on where `"auto"` ended in each recommended-setup run, or `""` when none ran."""
     chosen = [
         f"{name}: " + ", ".join(run.extra.get("steps_per_execution", "?") for run in runs[name])
         for name in (RECOMMENDED, RECOMMENDED_CONTROL, RECOMMENDED_ONEDNN)
         if name in runs
     ]
-    if chosen:
-        lines.append(
-            '`"auto"` at the end of each run (steps per execution, tuner phase; rounds in order): '
-            + "; ".join(chosen)
-            + "."
-        )
-    return "\n".join(lines) + "\n"
+    if not chosen:
+        return ""
+    return (
+        '`"auto"` at the end of each run (steps per execution, tuner phase; rounds in order): '
+        + "; ".join(chosen)
+        + ".\n"
+    )

@@ -28,10 +28,9 @@ def optimize_pipeline(
     """A tf.data pipeline that overlaps input work with training.
 
     Turns on tf.data's `map_parallelization` and `parallel_batch` optimizations, sets its
-    autotuning as asked
-    (off by default), optionally caches the (already batched) elements in memory, and ends
-    with `prefetch(tf.data.AUTOTUNE)`. The element order is unchanged (`deterministic` stays
-    on).
+    autotuning as asked (off by default), optionally caches the (already batched) elements in
+    memory, and ends with `prefetch(tf.data.AUTOTUNE)`. The element order is unchanged
+    (`deterministic` stays on).
 
     Autotuning is off by default because its model thread stalled the end of every other
     epoch on a busy 2-core CPU: deleting the epoch's iterator waited about 0.55 s for it, in
