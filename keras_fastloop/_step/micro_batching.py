@@ -344,8 +344,10 @@ def accumulate(model, x, y, sample_weight, variables, micro_batch_size):
         RuntimeError: a prediction whose Keras mask appears only in training mode.
 
     Example:
-        >>> model.compile("sgd", "mse", micro_batch_size=4)  # doctest: +SKIP
-        >>> model.fit(x, y, batch_size=16)  # 4 micro-batches, one update per batch
+        >>> model.compile("sgd", losses, micro_batch_size=4)
+        >>> history = model.fit(x, y, batch_size=16, verbose=0)  # 32 samples, 4 micro-batches each
+        >>> int(model.optimizer.iterations)  # one update per batch of 16
+        2
     """
     k = int(micro_batch_size)
     task_loss = model._compile_loss

@@ -498,8 +498,8 @@ def plan_buckets(
     Example:
 
     >>> ds = tf.data.Dataset.range(1, 101).map(lambda n: tf.ones([n], tf.int32))
-    >>> plan_buckets(ds, batch_size=8, num_buckets=2).bucket_boundaries
-    (50, 100)
+    >>> plan_buckets(ds, batch_size=8, num_buckets=2).bucket_boundaries  # half the tokens each
+    (71, 100)
     """
     if not isinstance(dataset, tf.data.Dataset):
         raise ValueError(
@@ -762,8 +762,10 @@ def apply_bucket_plan(
 
     Example:
 
+    >>> ds = tf.data.Dataset.range(1, 33).map(lambda n: tf.ones([n], tf.int32))
     >>> plan = plan_buckets(ds, bucket_boundaries=[16, 32], batch_size=8)
-    >>> batches = apply_bucket_plan(ds, plan)
+    >>> sorted(batch.shape[1] for batch in apply_bucket_plan(ds, plan))  # padded lengths
+    [16, 16, 32, 32]
     """
     if not isinstance(plan, BucketPlan):
         raise ValueError(f"`plan` must be a `BucketPlan`. Received: plan={plan!r}")

@@ -133,7 +133,7 @@ class Static(LossWeighting):
     Example:
         >>> model.compile("adam", losses, loss_weights={"cls": 1.0, "seg": 0.5},
         ...               loss_weighting="static")
-        >>> model.loss_weighting.weights.assign([1.0, 2.0])  # next step, no retrace
+        >>> _ = model.loss_weighting.weights.assign([1.0, 2.0])  # next step, no retrace
 
     Reference:
         Keras' `compile(loss_weights=...)`; the fixed-weight baseline of Caruana, "Multitask
