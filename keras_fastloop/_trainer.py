@@ -32,7 +32,7 @@ from keras_fastloop import (
 )
 from keras_fastloop import clipping as clipping_module
 from keras_fastloop import weighting as weighting_module
-from keras_fastloop._step import distributed, guards, loss_shares, losses, scaling
+from keras_fastloop._step import distributed, guards, loss_shares, losses, scaling, user_metrics
 from keras_fastloop._step import micro_batching as micro_batching_module
 from keras_fastloop._step.results import LOG_METRICS, StepMetrics, StepResult
 from keras_fastloop._step.state import StepState
@@ -207,8 +207,17 @@ class OptimizedTrainer:
                     "needs each task's loss, which only the default `compute_loss` provides. "
                     f"Received: {argument}={value!r}"
                 )
+        if micro_batch_size is not None and user_metrics.overrides_compute_metrics(self):
+            raise ValueError(
+                "`micro_batch_size` cannot be combined with an overridden `compute_metrics()`: "
+                "Keras calls it once per batch with the whole batch's predictions, which "
+                f"micro-batching never holds at once. Received: micro_batch_size={micro_batch_size!r}"
+            )
         losses.check_loss_identifiers(loss)
         losses.check_loss_weights(loss_weights)
+        losses.check_unreduced(
+            loss, micro_batch_size, weighting, self.distribute_strategy.num_replicas_in_sync
+        )
         if not self._overrides_compute_loss():
             # An overridden `compute_loss` may restructure `y_pred` before the compiled loss
             # sees it (Keras' own tests split one output in two), so the loss' structure can
@@ -361,8 +370,11 @@ class OptimizedTrainer:
 
         Returns the scalar the step differentiates: the weighting's objective over the
         compiled loss' tasks (`sum_i w_i L_i` with the weights read from a variable by
-        default) plus the regularization and `add_loss` losses. Override it as in Keras; a
-        model that does so cannot use `loss_weighting` or `micro_batch_size`.
+        default) plus the regularization and `add_loss` losses. With losses of
+        `reduction=None` it is Keras' per-sample total, shape `(batch, ...)`, which the step
+        sums (gradient) and averages (logs) as Keras does. Override it as in Keras; a model
+        that does so cannot use `loss_weighting` or `micro_batch_size`. Called from a
+        user's own `train_step`, it updates the `{name}_loss` trackers, as Keras does.
 
         Raises:
             ValueError: when there is no loss at all (no compiled loss, no `add_loss`).
@@ -380,7 +392,12 @@ class OptimizedTrainer:
             regularization_sum = ops.sum(ops.stack(regularization)) if regularization else None
             values, sync = loss_shares.replica_losses(task_terms, regularization_sum)
             self._build_weighting()
-            objective, weights = self._loss_weighting.combine(values)
+            if any(value.shape.rank for value in values):
+                # reduction=None (one replica, static weights: compile checks it). As in
+                # Keras the tape sums the per-sample losses and the trackers average them.
+                objective, weights = _per_sample_objective(values, self._loss_weighting)
+            else:
+                objective, weights = self._loss_weighting.combine(values)
             reported = objective
             per_task = weights
             if not self._loss_is_objective:
@@ -396,20 +413,40 @@ class OptimizedTrainer:
         terms += regularization
         if not terms:
             raise ValueError("No loss to compute. Provide a `loss` argument in `compile()`.")
+        if record is not None and not self.__dict__.get("_fastloop_own_step"):
+            # Called from a user's own train_step/test_step: update the `{name}_loss`
+            # trackers here, as Keras' CompileLoss does (our steps record after the guards).
+            self._compile_loss.record(values, sync.batch_size)
         object.__setattr__(self, "_loss_record", record)
-        return terms[0] if len(terms) == 1 else ops.sum(ops.stack(terms))
+        if len(terms) == 1:
+            return terms[0]
+        if terms[0].shape.rank:  # per-sample losses plus the (scalar) regularization
+            return terms[0] + ops.sum(ops.stack(terms[1:]))
+        return ops.sum(ops.stack(terms))
 
     def _loss_terms(self, x, y, y_pred, sample_weight, training):
         """`(total, logged loss, record)` through `compute_loss` (user overrides included)."""
         object.__setattr__(self, "_loss_record", None)
-        total = self._compute_loss(
-            x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training
-        )
+        with self._own_step():
+            total = self._compute_loss(
+                x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training
+            )
         record = self.__dict__.get("_loss_record")
         object.__setattr__(self, "_loss_record", None)
         if record is None:
             return total, total, None
         return total, total + (record.reported - record.objective), record
+
+    @contextlib.contextmanager
+    def _own_step(self):
+        """Marks `compute_loss` calls made by this class' steps, which record the task losses
+        themselves (after the non-finite guards, or per micro-batch)."""
+        before = self.__dict__.get("_fastloop_own_step", False)
+        object.__setattr__(self, "_fastloop_own_step", True)
+        try:
+            yield
+        finally:
+            object.__setattr__(self, "_fastloop_own_step", before)
 
     def _forward(self, x, training):
         if self._call_has_training_arg:
@@ -441,6 +478,8 @@ class OptimizedTrainer:
             global_losses = record.global_losses
         del tape
         compile_metrics = self._compile_metrics
+        if user_metrics.overrides_compute_metrics(self):
+            compile_metrics = None  # the step calls the override after the update
         batch_size = _batch_size(x) if record is None else record.batch_size
 
         def update_metrics():
@@ -456,6 +495,7 @@ class OptimizedTrainer:
             batch_size=batch_size,
             update_metrics=update_metrics,
             global_losses=global_losses,
+            y_pred=y_pred,
         )
 
     def _connected(self, grads, variables):
@@ -536,6 +576,8 @@ class OptimizedTrainer:
         if self._loss_weighting.has_state_update:
             distributed.cond(applied, self._loss_weighting.update, args=(list(global_losses[1:]),))
         self._record_metrics(result, applied, grad_norm)
+        if user_metrics.overrides_compute_metrics(self):
+            return user_metrics.compute_metrics(self, x, y, result.y_pred, sample_weight, applied)
         return self.get_metrics_result()
 
     def _apply(self, grads, variables, applied, scale, lso_condition):
@@ -669,6 +711,15 @@ class OptimizedTrainer:
 
 def _batch_size(x):
     return ops.shape(next(t for t in tf.nest.flatten(x) if t is not None))[0]
+
+
+def _per_sample_objective(values, weighting):
+    """Keras' total of unreduced task losses: `sum_i w_i * L_i` per sample, and `w`."""
+    weights = weighting.read_weights()
+    objective = values[0] * weights[0]
+    for i, value in enumerate(values[1:], start=1):
+        objective = objective + value * weights[i]
+    return objective, weights
 
 
 class _LossRecord:

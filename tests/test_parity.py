@@ -618,3 +618,179 @@ def test_mixed_float16_overflow_steps_update_weights_like_keras_and_skip_the_log
     assert not np.allclose(h["loss"][0], h_ref["loss"][0])
     for key in ("loss", "accuracy"):
         np.testing.assert_allclose([h[key][e] for e in clean], [h_ref[key][e] for e in clean])
+
+
+# --------------------------------------------- subclass hooks: compute_metrics, own train_step
+
+
+def _two_task_build(base):
+    inputs = keras.Input((4,))
+    hidden = keras.layers.Dense(8, activation="relu")(inputs)
+    return base(
+        inputs,
+        {
+            "a": keras.layers.Dense(1, name="a")(hidden),
+            "b": keras.layers.Dense(3, activation="softmax", name="b")(hidden),
+        },
+    )
+
+
+def _two_task_data(n=48):  # whole batches of 16: no partial-batch deviation (see above)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(n, 4)).astype("float32")
+    return x, {"a": rng.normal(size=(n, 1)).astype("float32"), "b": rng.integers(0, 3, (n,))}
+
+
+def _with_compute_metrics(base):
+    class WithComputeMetrics(base):
+        def compute_metrics(self, x, y, y_pred, sample_weight=None):
+            logs = dict(super().compute_metrics(x, y, y_pred, sample_weight))
+            logs["mean_pred"] = keras.ops.mean(tf.nest.flatten(y_pred)[0])
+            return logs
+
+    return WithComputeMetrics
+
+
+def test_overridden_compute_metrics_is_called_by_the_train_step():
+    """Keras' train step returns `compute_metrics(x, y, y_pred, sample_weight)`; its extra
+    logs and its metric updates must reach fit's history (they did only in validation)."""
+    x, y = rng_data(40)
+    pair = fit_pair(
+        lambda cls: (lambda i: _with_compute_metrics(cls)(i, keras.layers.Dense(1)(i)))(
+            keras.Input((4,))
+        ),
+        {"optimizer": "sgd", "loss": "mse", "metrics": ["mae"]},
+        (x, y),
+        {"batch_size": 16, "epochs": 2, "validation_data": (x, y)},
+    )
+    assert {"mean_pred", "val_mean_pred", "mae"} <= set(pair[1][0])
+    assert_same(pair)
+
+
+def test_overridden_compute_metrics_runs_for_a_multi_output_model_with_clipping():
+    x, y = _two_task_data()
+    results = []
+    for cls, extra in ((keras.Model, {}), (kf.OptimizedModel, {"gradient_clipping": 1e9})):
+        keras.utils.set_random_seed(7)
+        model = _two_task_build(_with_compute_metrics(cls))
+        model.compile(
+            "adam",
+            {"a": "mse", "b": "sparse_categorical_crossentropy"},
+            metrics={"b": ["accuracy"]},
+            **extra,
+        )
+        results.append((model.fit(x, y, batch_size=16, epochs=2, verbose=0).history, model))
+    assert "mean_pred" in results[1][0]
+    assert results[1][0].pop("grad_norm")  # clipping logs the gradient norm too
+    assert_same(results)
+
+
+def test_overridden_compute_metrics_refuses_micro_batching():
+    model = (lambda i: _with_compute_metrics(kf.OptimizedModel)(i, keras.layers.Dense(1)(i)))(
+        keras.Input((4,))
+    )
+    with pytest.raises(ValueError, match="compute_metrics.*Received: micro_batch_size=2"):
+        model.compile("sgd", "mse", micro_batch_size=2)
+
+
+def _with_own_train_step(base):
+    class OwnTrainStep(base):  # Keras' guide "Customizing what happens in fit()", multi-output
+        def train_step(self, data):
+            x, y = data
+            with tf.GradientTape() as tape:
+                y_pred = self(x, training=True)
+                loss = self.compute_loss(x=x, y=y, y_pred=y_pred)
+            grads = tape.gradient(loss, self.trainable_variables)
+            self.optimizer.apply(grads, self.trainable_variables)
+            self._loss_tracker.update_state(loss)
+            return {m.name: m.result() for m in self.metrics}
+
+    return OwnTrainStep
+
+
+def test_own_train_step_calling_compute_loss_logs_the_per_output_losses():
+    """Keras' `compute_loss` updates the `{name}_loss` trackers itself; a user's train step
+    that calls it must see them move (they stayed 0.0)."""
+    x, y = _two_task_data()
+    results = []
+    for cls in (keras.Model, kf.OptimizedModel):
+        keras.utils.set_random_seed(7)
+        model = _two_task_build(_with_own_train_step(cls))
+        model.compile("adam", {"a": "mse", "b": "sparse_categorical_crossentropy"})
+        history = model.fit(x, y, batch_size=16, epochs=2, verbose=0).history
+        results.append((history, model))
+        evaluated = model.evaluate(x, y, batch_size=16, verbose=0, return_dict=True)
+        results[-1] += (evaluated,)
+    (h_ref, m_ref, e_ref), (h, m, e) = results
+    assert h["a_loss"][0] > 0.0
+    assert_same([(h_ref, m_ref), (h, m)])
+    for key in e_ref:  # evaluate after fit: each output's loss counted once per batch
+        np.testing.assert_allclose(e[key], e_ref[key], atol=1e-6, err_msg=key)
+
+
+@pytest.mark.parametrize("reduction", [None, "none"])
+def test_unreduced_loss_trains_and_logs_like_keras(reduction):
+    """`reduction=None`: Keras differentiates the per-sample losses' sum and logs their mean."""
+    x, y = rng_data(40)
+    pair = fit_pair(
+        lambda cls: (lambda i: cls(i, keras.layers.Dense(1)(i)))(keras.Input((4,))),
+        {"optimizer": "sgd", "loss": keras.losses.MeanSquaredError(reduction=reduction)},
+        (x, y),
+        {"batch_size": 16, "epochs": 2, "validation_data": (x, y)},
+    )
+    assert_same(pair)
+
+
+def test_unreduced_losses_of_two_outputs_train_and_log_like_keras():
+    x, y = _two_task_data()
+    results = []
+    for cls in (keras.Model, kf.OptimizedModel):
+        keras.utils.set_random_seed(7)
+        model = _two_task_build(cls)
+        model.compile(
+            "adam",
+            {
+                "a": keras.losses.MeanSquaredError(reduction=None),
+                "b": keras.losses.SparseCategoricalCrossentropy(reduction=None),
+            },
+            loss_weights={"a": 1.0, "b": 0.5},
+        )
+        history = model.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False)
+        results.append((history.history, model))
+    assert_same(results)
+
+
+@pytest.mark.parametrize(
+    "feature", [{"micro_batch_size": 2}, {"loss_weighting": "dwa"}, {"loss_weighting": "uw"}]
+)
+def test_unreduced_losses_refuse_what_needs_one_loss_per_batch(feature):
+    model = _two_task_build(kf.OptimizedModel)
+    with pytest.raises(ValueError, match="reduce to one value per batch.*Received: loss="):
+        model.compile(
+            "sgd", {"a": keras.losses.MeanSquaredError(reduction="none"), "b": "mse"}, **feature
+        )
+
+
+def test_unreduced_losses_refuse_several_replicas():
+    with two_replica_strategy().scope():
+        model = (lambda i: kf.OptimizedModel(i, keras.layers.Dense(1)(i)))(keras.Input((4,)))
+        with pytest.raises(ValueError, match="several replicas needs every loss to reduce"):
+            model.compile("sgd", keras.losses.MeanSquaredError(reduction=None))
+
+
+def test_overridden_compute_metrics_forgets_a_skipped_step():
+    """A batch whose gradient is NaN is skipped: metrics, extra logs and weights end as if the
+    batch had not been there (the override ran, its metric updates were undone)."""
+    x, y = rng_data(48)
+    bad_x = x.copy()
+    bad_x[16:32] = np.nan  # the middle batch of three
+    clean = (np.concatenate([x[:16], x[32:]]), np.concatenate([y[:16], y[32:]]))
+    runs = []
+    for data in ((bad_x, y), clean):
+        keras.utils.set_random_seed(7)
+        inputs = keras.Input((4,))
+        model = _with_compute_metrics(kf.OptimizedModel)(inputs, keras.layers.Dense(1)(inputs))
+        model.compile("sgd", "mse", metrics=["mae"])
+        runs.append((model.fit(*data, batch_size=16, verbose=0, shuffle=False).history, model))
+    assert np.isfinite(runs[0][0]["mae"][0])
+    assert_same(runs, atol=0.0)

@@ -90,6 +90,39 @@ def check_loss_weights(loss_weights):
             )
 
 
+def unreduced_losses(loss):
+    """The compiled loss' entries that return one loss per sample (`reduction=None`/"none")."""
+    return [
+        spec
+        for spec in tree.flatten(loss)
+        if isinstance(spec, keras.losses.Loss) and spec.reduction in (None, "none")
+    ]
+
+
+def check_unreduced(loss, micro_batch_size, weighting, num_replicas):
+    """Fail at `compile()` for what per-sample losses cannot do here.
+
+    Keras differentiates an unreduced loss' sum and logs its mean; the step does the same on
+    one replica with the static weights. Micro-batches, other weighting methods and several
+    replicas need one loss value per task and batch.
+    """
+    unreduced = unreduced_losses(loss)
+    if not unreduced:
+        return
+    needs_scalars = {
+        "micro_batch_size": micro_batch_size is not None,
+        "loss_weighting": weighting.name != "static",
+        "a distribution strategy with several replicas": num_replicas > 1,
+    }
+    for what, given in needs_scalars.items():
+        if given:
+            raise ValueError(
+                f"{what!s} needs every loss to reduce to one value per batch (reduction "
+                "'sum_over_batch_size', 'mean', 'mean_with_sample_weight' or 'sum'). "
+                f"Received: loss={unreduced[0]!r} with reduction={unreduced[0].reduction!r}"
+            )
+
+
 def check_loss_identifiers(loss):
     """Fail at `compile()`, not in the first step, for a loss name Keras does not know."""
     for spec in tree.flatten(loss):

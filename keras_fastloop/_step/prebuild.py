@@ -62,7 +62,8 @@ def build_before_first_trace(model, iterator=None, data_batch=None):
         if data_batch is None:
             return
     try:
-        internals.build_compiled_metrics_and_loss(model, data_batch)
+        with model._own_step():  # symbolic: no tracker update
+            internals.build_compiled_metrics_and_loss(model, data_batch)
     except Exception:  # noqa: BLE001 - the trace builds what is left, as in keras.Model
         return
 

@@ -49,6 +49,7 @@ class StepResult:
     update_metrics: Callable[[], None]
     undo_metrics: Callable[[], None] | None = None
     global_losses: list | None = None
+    y_pred: object = None
 
 
 class LastValue(keras.metrics.Metric):
