@@ -452,3 +452,28 @@ def test_unreduced_loss_raises_a_clear_error_at_compile():
 def test_validate_micro_batch_size_passes_none_and_ints():
     assert micro_batching.validate_micro_batch_size(None) is None
     assert micro_batching.validate_micro_batch_size(3) == 3
+
+
+@pytest.mark.parametrize("micro_batch_size", [4, 3])
+def test_sparse_labels_of_shape_batch_by_one(micro_batch_size):
+    """Keras squeezes `(batch, 1)` sparse labels only when the 1 is static: the micro-batch
+    slices keep the batch's trailing shape (they lost it: a rank error inside fit)."""
+    x, labels, _ = data(20)
+    y = labels.reshape(-1, 1).astype("int32")
+    runs = []
+    for cls, extra in ((keras.Model, {}), (kf.OptimizedModel, {"micro_batch_size": micro_batch_size})):
+        model = mlp(cls)
+        model.compile(
+            keras.optimizers.SGD(0.1),
+            "sparse_categorical_crossentropy",
+            metrics=["sparse_categorical_accuracy"],
+            **extra,
+        )
+        history = model.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False).history
+        runs.append((history, model.get_weights()))
+    (h_ref, w_ref), (h, w) = runs
+    assert set(h) == set(h_ref)
+    for key in h_ref:
+        np.testing.assert_allclose(h[key], h_ref[key], rtol=1e-6, atol=1e-7, err_msg=key)
+    for a, b in zip(w_ref, w):
+        np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-7)

@@ -138,8 +138,11 @@ def _slice(structure, start, size):
     """Rows `[start, start + size)` of every tensor in `structure` (`None` passes through).
 
     `tf.slice` with a constant `size` keeps the micro-batch's shape static inside the loop
-    (XLA compiles it as a dynamic slice).
+    (XLA compiles it as a dynamic slice). The other dimensions are set back to the batch's:
+    with a tensor `start` shape inference loses them, and Keras' losses and metrics read
+    them (sparse labels of shape `(batch, 1)` are squeezed only when the 1 is static).
     """
+    static_size = tf.get_static_value(size)
 
     def cut(t):
         if t is None:
@@ -147,7 +150,9 @@ def _slice(structure, start, size):
         t = tf.convert_to_tensor(t)
         rank = t.shape.rank
         begin = [start] + [0] * (rank - 1)
-        return tf.slice(t, begin, [size] + [-1] * (rank - 1))
+        part = tf.slice(t, begin, [size] + [-1] * (rank - 1))
+        part.set_shape(tf.TensorShape([static_size]).concatenate(t.shape[1:]))
+        return part
 
     if structure is None:
         return None
