@@ -794,3 +794,57 @@ def test_overridden_compute_metrics_forgets_a_skipped_step():
         runs.append((model.fit(*data, batch_size=16, verbose=0, shuffle=False).history, model))
     assert np.isfinite(runs[0][0]["mae"][0])
     assert_same(runs, atol=0.0)
+
+
+# ------------------------------------------- checkpoints written by keras.Model or other compiles
+
+
+def _regressor(cls):
+    keras.utils.set_random_seed(7)
+    inputs = keras.Input((4,))
+    return cls(inputs, keras.layers.Dense(1)(inputs))
+
+
+@pytest.mark.parametrize("filename", ["ckpt.weights.h5", "model.keras"])
+def test_compiled_model_loads_a_keras_model_checkpoint(tmp_path, filename):
+    x, y = rng_data(32)
+    source = _regressor(keras.Model)
+    source.compile("adam", "mse")
+    source.fit(x, y, batch_size=16, verbose=0)
+    path = str(tmp_path / filename)
+    source.save_weights(path) if filename.endswith(".weights.h5") else source.save(path)
+    model = _regressor(kf.OptimizedModel)
+    model.compile("adam", "mse", gradient_clipping=1.0)
+    model.load_weights(path)  # failed: "Layer 'fastloop_state' expected 3 variables ... 0"
+    for a, b in zip(source.get_weights(), model.get_weights()):
+        np.testing.assert_array_equal(b, a)
+    assert int(model.skipped_steps) == 0
+
+
+def test_checkpoint_of_another_loss_structure_loads_the_weights_and_names_what_it_kept(tmp_path):
+    x, y = _two_task_data()
+    source = _two_task_build(kf.OptimizedModel)
+    source.compile("adam", {"a": "mse", "b": "sparse_categorical_crossentropy"})
+    source.fit(x, y, batch_size=16, verbose=0)
+    path = str(tmp_path / "two_heads.weights.h5")
+    source.save_weights(path)
+    model = _two_task_build(kf.OptimizedModel)
+    model.compile("adam", {"a": "mse"})  # fine-tune one head: one task, not two
+    with pytest.warns(FastloopWarning, match=r"\['loss_weights'\] keep their current values"):
+        model.load_weights(path)
+    for a, b in zip(source.get_weights(), model.get_weights()):
+        np.testing.assert_array_equal(b, a)
+    np.testing.assert_array_equal(model.loss_weighting.weights.numpy(), [1.0])
+
+
+def test_step_state_is_stored_by_name_and_loads_index_keyed_checkpoints():
+    model = _regressor(kf.OptimizedModel)
+    model.compile("sgd", "mse")
+    state = model._fastloop_state
+    store = {}
+    state.save_own_variables(store)
+    assert sorted(store) == sorted(v.name for v in state.variables)
+    by_index = {str(i): np.asarray(v.numpy()) for i, v in enumerate(state.variables)}
+    by_index[str([v.name for v in state.variables].index("skipped_steps"))] = np.int64(5)
+    state.load_own_variables(by_index)  # the layout of earlier versions
+    assert int(model.skipped_steps) == 5

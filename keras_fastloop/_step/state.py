@@ -8,7 +8,11 @@ because Keras' saving walks the model's attributes.
 
 from __future__ import annotations
 
+import warnings
+
 import keras
+
+from keras_fastloop._warnings import FastloopWarning
 
 
 def state_variable(owner, name, shape=(), value=0, dtype="float32"):
@@ -43,3 +47,42 @@ class StepState(keras.layers.Layer):
 
     def call(self, inputs):  # pragma: no cover - never called, holds state only
         return inputs
+
+    def save_own_variables(self, store):
+        """Stores every variable under its name (which feature's state it is), not its index."""
+        for variable in self.variables:
+            store[variable.name] = variable
+
+    def load_own_variables(self, store):
+        """Restores the variables a checkpoint holds under their names; keeps the others.
+
+        A checkpoint written by `keras.Model`, or by a model compiled with other features or
+        another number of tasks, holds none or only some of this compile's step state: the
+        model's weights load as they would into `keras.Model`, and the state the checkpoint
+        lacks keeps its value, with a `FastloopWarning` that names it when the checkpoint had
+        step state of its own (resuming from it is then not exact). Checkpoints of earlier
+        versions (variables stored by index) load by index when the count matches.
+        """
+        keys = list(store.keys())
+        if not keys:
+            return  # no step state in the checkpoint (keras.Model, or saved uncompiled)
+        variables = self.variables
+        if all(key.isdigit() for key in keys) and len(keys) == len(variables):
+            by_name = {v.name: store[str(i)] for i, v in enumerate(variables)}
+        else:
+            by_name = {key: store[key] for key in keys}
+        kept = []
+        for variable in variables:
+            value = by_name.get(variable.name)
+            if value is None or tuple(value.shape) != tuple(variable.shape):
+                kept.append(variable.name)
+                continue
+            variable.assign(value)
+        if kept:
+            warnings.warn(
+                f"The checkpoint's step state does not match this compile's: {kept} keep "
+                "their current values (saved with other features or tasks). Received: "
+                f"checkpoint step state {sorted(keys)}",
+                FastloopWarning,
+                stacklevel=2,
+            )
