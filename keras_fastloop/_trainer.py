@@ -87,15 +87,22 @@ def _log_metrics(log_metrics, clipper, optimizer, nonfinite):
         if lso:
             names.append("loss_scale")
         return tuple(names)
-    if isinstance(log_metrics, str):
-        log_metrics = [log_metrics]
-    unknown = [m for m in log_metrics if m not in LOG_METRICS]
-    if unknown:
+    return (log_metrics,) if isinstance(log_metrics, str) else tuple(log_metrics)
+
+
+def _check_log_metrics(log_metrics):
+    names = [log_metrics] if isinstance(log_metrics, str) else log_metrics
+    if names is None:
+        return
+    if (
+        not isinstance(names, (list, tuple))
+        or any(name not in LOG_METRICS for name in names)
+        or len(set(names)) != len(names)
+    ):
         raise ValueError(
-            f"`log_metrics` must be None or a list of names from {LOG_METRICS}. "
+            f"`log_metrics` must be None or a list of distinct names from {LOG_METRICS}. "
             f"Received: log_metrics={log_metrics!r}"
         )
-    return tuple(log_metrics)
 
 
 class OptimizedTrainer:
@@ -225,6 +232,11 @@ class OptimizedTrainer:
             losses.check_keys("loss", loss, self)
             losses.check_keys("loss_weights", loss_weights, self)
             losses.check_counts(loss, loss_weights, self)
+        # Everything that can refuse the arguments runs before Keras' compile: a refused
+        # compile leaves the model as it was (optimizer, clipping, step state).
+        layout = losses.task_layout(loss, loss_weights, self)
+        weighting.validate(self, None if layout is None else layout[0], shared_variables)
+        _check_log_metrics(log_metrics)
         optimizer = keras.optimizers.get(optimizer)
         _check_optimizer_clipping(optimizer, clipper)
 
@@ -280,7 +292,6 @@ class OptimizedTrainer:
         if loss is not None and self.dtype_policy.name in ("mixed_float16", "mixed_bfloat16"):
             # Keras' mixed-precision guide: outputs that feed a loss should be float32.
             mixed_precision.check_output_dtypes(self, self.dtype_policy.name)
-        layout = losses.task_layout(loss, loss_weights, self)
         if layout is not None:
             self._build_weighting(layout)
         self._compile_config = internals.serialization_lib.SerializableDict(

@@ -640,3 +640,44 @@ def test_config_space_fails_only_with_clear_errors(
 def test_former_gaps_raise_before_training(call, message):
     with pytest.raises(ValueError, match=message):
         call()
+
+
+# ------------------------------- a refused compile leaves the compiled model as it was (review)
+
+REFUSED_RECOMPILES = {
+    "uw_on_one_output": dict(loss_weighting="uw"),
+    "log_metrics_unknown": dict(log_metrics=["grad"]),
+    "log_metrics_not_a_list": dict(log_metrics=5),
+    "log_metrics_twice": dict(log_metrics=["grad_norm", "grad_norm"]),
+    "shared_variables_without_gradient_method": dict(shared_variables=[1, "not a variable"]),
+    "shared_variables_not_of_the_model": dict(
+        loss_weighting="pcgrad", shared_variables=[keras.Variable(1.0)]
+    ),
+}
+
+
+@pytest.mark.parametrize("bad", REFUSED_RECOMPILES.values(), ids=REFUSED_RECOMPILES)
+def test_refused_recompile_keeps_optimizer_clipping_and_training(bad):
+    """A compile that fails validation used to replace the optimizer (iterations back to 0)
+    and the clipping before raising; the model must train on exactly as if never asked."""
+    x = np.random.default_rng(0).normal(size=(16, 4)).astype("float32")
+    y = x[:, :1] * 2.0
+    runs = []
+    for recompile in (False, True):
+        keras.utils.set_random_seed(0)
+        model = two_outputs() if "pcgrad" in str(bad) else one_output()
+        loss = LOSSES if "pcgrad" in str(bad) else "mse"
+        targets = {"a": y, "b": y} if "pcgrad" in str(bad) else y
+        model.compile(keras.optimizers.SGD(0.1), loss, gradient_clipping=1.0)
+        model.fit(x, targets, batch_size=4, verbose=0)
+        if recompile:
+            with pytest.raises(ValueError, match="Received"):
+                model.compile(keras.optimizers.Adam(), loss, **bad)
+            assert int(model.optimizer.iterations) == 4
+            assert model.gradient_clipping is not None
+        history = model.fit(x, targets, batch_size=4, verbose=0).history
+        runs.append((history, model.get_weights()))
+    (h_ref, w_ref), (h, w) = runs
+    assert h == h_ref
+    for a, b in zip(w_ref, w):
+        np.testing.assert_array_equal(b, a)

@@ -461,7 +461,10 @@ def test_sparse_labels_of_shape_batch_by_one(micro_batch_size):
     x, labels, _ = data(20)
     y = labels.reshape(-1, 1).astype("int32")
     runs = []
-    for cls, extra in ((keras.Model, {}), (kf.OptimizedModel, {"micro_batch_size": micro_batch_size})):
+    for cls, extra in (
+        (keras.Model, {}),
+        (kf.OptimizedModel, {"micro_batch_size": micro_batch_size}),
+    ):
         model = mlp(cls)
         model.compile(
             keras.optimizers.SGD(0.1),

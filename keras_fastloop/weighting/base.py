@@ -65,6 +65,19 @@ class LossWeighting:
             state, "loss_weights", (len(task_names),), self.initial_weights(static_weights)
         )
 
+    def validate(self, model, task_names, shared_variables=None):
+        """Raise `ValueError` at `compile()`, before any state changes, for what `build` would
+        refuse. `task_names` may be `None` (the outputs are not known yet)."""
+        del model
+        if shared_variables is not None and not self.requires_task_gradients:
+            raise ValueError(
+                "`shared_variables` is only read by the gradient-based loss weighting methods "
+                f"(it has no effect on '{self.name}'). Received: "
+                f"shared_variables={shared_variables!r}"
+            )
+        if task_names is not None:
+            self.check_tasks(task_names)
+
     def check_tasks(self, task_names):
         """Raise `ValueError` unless a multi-task method gets at least two tasks."""
         if len(task_names) < 2 and self.name not in ("static", "ew"):

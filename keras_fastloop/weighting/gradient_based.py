@@ -479,6 +479,11 @@ class GradientWeighting(LossWeighting):
 
     requires_task_gradients = True
 
+    def validate(self, model, task_names, shared_variables=None):
+        super().validate(model, task_names, shared_variables)
+        if model.built:
+            _resolve_shared(model, shared_variables)
+
     def build(self, model, state, task_names, static_weights):
         super().build(model, state, task_names, static_weights)
         self._given_shared = _resolve_shared(model, getattr(model, "_shared_variables", None))
