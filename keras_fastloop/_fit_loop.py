@@ -51,8 +51,9 @@ def register(name, add_callbacks):
 
     Args:
         name: string, the extension's name (a second registration replaces the first).
-        add_callbacks: callable `(model, callbacks) -> callbacks`; `callbacks` is what the
-            user passed (`None`, a list or a `keras.callbacks.CallbackList`).
+        add_callbacks: callable `(model, callbacks) -> callbacks`, both lists (the user's
+            callbacks, a given `keras.callbacks.CallbackList`'s included, and those of the
+            extensions before it).
     """
     EXTENSIONS[name] = add_callbacks
 
@@ -89,30 +90,20 @@ def bind_fit_arguments(model, args, kwargs):
     return arguments
 
 
-def _flatten(callbacks):
-    if callbacks is None:
-        return []
-    if isinstance(callbacks, keras.callbacks.CallbackList):
-        return list(callbacks.callbacks)
-    return list(callbacks)
-
-
 def with_internal_callbacks(model, callbacks):
-    """`callbacks` plus the weighting's and the extensions' callbacks and the non-finite monitor.
+    """`callbacks` (a list) plus the weighting's and the extensions' callbacks and the
+    non-finite monitor, as a new list.
 
     The weighting's callbacks run first (e.g. DWA closes its epoch window before a
     checkpointing callback saves the state); the non-finite monitor runs last.
     """
+    callbacks = list(callbacks)
     for add_callbacks in EXTENSIONS.values():
         callbacks = add_callbacks(model, callbacks)
     monitor = guards.NonFiniteMonitor(getattr(model, "_nonfinite", "skip"))
     weighting = getattr(model, "_loss_weighting", None)
     first = weighting.callbacks() if weighting is not None else []
-    if isinstance(callbacks, keras.callbacks.CallbackList):
-        callbacks.callbacks[:0] = first
-        callbacks.append(monitor)
-        return callbacks
-    return [*first, *(callbacks or []), monitor]
+    return [*first, *callbacks, monitor]
 
 
 def fit(model, keras_fit, args, kwargs):
@@ -130,22 +121,30 @@ def fit(model, keras_fit, args, kwargs):
         TypeError: arguments `keras.Model.fit` does not take.
     """
     arguments = bind_fit_arguments(model, args, kwargs)
-    arguments["callbacks"] = with_internal_callbacks(model, arguments.get("callbacks"))
+    given = arguments.get("callbacks")
+    user_list = given if isinstance(given, keras.callbacks.CallbackList) else None
+    callbacks = with_internal_callbacks(
+        model, user_list.callbacks if user_list is not None else given or []
+    )
     auto = _glue.auto_state(model)
     if auto is not None and not _glue.tunable(model):
         auto = None
     if auto is not None:
         auto.executions = []
         auto.tuner.begin(warmup=False)  # the executions that trace are left out instead
-        arguments["callbacks"] = _with_execution_clock(arguments["callbacks"], auto)
-    run = FitRun(model, _flatten(arguments["callbacks"]), auto)
+        auto.execution_clock = _ExecutionClock(auto)
+        callbacks.insert(0, auto.execution_clock)
+    run = FitRun(model, callbacks, auto)
+    if user_list is not None:
+        # Keras runs a given CallbackList as it is (no History or progress bar added): a new
+        # one over the same callbacks and params, so the user's list is left unchanged.
+        callbacks = keras.callbacks.CallbackList(callbacks, model=model, **(user_list.params or {}))
+    arguments["callbacks"] = callbacks
     previous = current_run(model)
     object.__setattr__(model, "_fastloop_fit_run", run)  # untracked runtime state
     try:
         return keras_fit(**arguments)
     finally:
-        if auto is not None and isinstance(arguments["callbacks"], keras.callbacks.CallbackList):
-            arguments["callbacks"].callbacks.remove(auto.execution_clock)
         if previous is None:
             model.__dict__.pop("_fastloop_fit_run", None)
         else:
@@ -167,15 +166,6 @@ class _ExecutionClock(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         self.state.execution_end = self.state.clock()
-
-
-def _with_execution_clock(callbacks, state):
-    """`callbacks` with the execution clock first (a `CallbackList` is changed in place)."""
-    state.execution_clock = _ExecutionClock(state)
-    if isinstance(callbacks, keras.callbacks.CallbackList):
-        callbacks.callbacks.insert(0, state.execution_clock)
-        return callbacks
-    return [state.execution_clock, *(callbacks or [])]
 
 
 def maybe_symbolic_build(model, keras_maybe_symbolic_build, iterator=None, data_batch=None):

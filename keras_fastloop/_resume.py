@@ -34,8 +34,6 @@ __all__ = ["with_exact_resume"]
 
 def with_exact_resume(model, callbacks):
     """`callbacks` with a `_MidEpochResume` after each step-saving `BackupAndRestore`."""
-    if callbacks is None or isinstance(callbacks, keras.callbacks.CallbackList):
-        return callbacks
     result = []
     for callback in callbacks:
         result.append(callback)

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import keras_fastloop as kf
 from keras_fastloop import _fit_loop as fit_loop
 from keras_fastloop.callbacks import PeriodicValidation, ProfilerWindow
 from keras_fastloop.model import OptimizedModel
@@ -395,3 +396,32 @@ def test_pairwise_resume_with_checkpoint_and_validation(tmp_path, spe):
     assert [r["step"] for r in validation.history] == list(range(8, 73, 8))
     assert checkpoint.saves == list(range(40, 73, 8))  # after the resume at step 36
     assert max_weight_difference(resumed, reference) <= 1e-6
+
+
+def test_fit_takes_a_callback_list_like_keras_and_leaves_it_unchanged():
+    """`fit(callbacks=keras.callbacks.CallbackList(...))` raised AttributeError (review); the
+    internal callbacks must not pile up in the user's list across fits either."""
+    x = np.random.default_rng(0).normal(size=(32, 4)).astype("float32")
+    y = x[:, :1] * 2.0
+    results = []
+    for cls, compile_kwargs in (
+        (keras.Model, {}),
+        (kf.OptimizedModel, {}),
+        (kf.OptimizedModel, {"steps_per_execution": "auto", "micro_batch_size": 2}),
+    ):
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((4,))
+        model = cls(inputs, keras.layers.Dense(1)(inputs))
+        model.compile("sgd", "mse", **compile_kwargs)
+        history = keras.callbacks.History()
+        callback_list = keras.callbacks.CallbackList([history], model=model)
+        for _ in range(2):
+            model.fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=callback_list)
+        assert callback_list.callbacks == [history]
+        results.append((history.history, model.get_weights()))
+    for h, w in results[1:]:
+        assert h.keys() == results[0][0].keys()
+        for key in h:
+            np.testing.assert_allclose(h[key], results[0][0][key], rtol=1e-6, err_msg=key)
+        for a, b in zip(results[0][1], w):
+            np.testing.assert_allclose(b, a, rtol=1e-6)

@@ -108,11 +108,7 @@ def _with_batch_size_monitor(model, callbacks):
     """`fit` extension: adds `BatchSizeMonitor` when `micro_batch_size` is set."""
     if not getattr(model, "_micro_batch_size", None):
         return callbacks
-    monitor = BatchSizeMonitor()
-    if isinstance(callbacks, keras.callbacks.CallbackList):
-        callbacks.append(monitor)
-        return callbacks
-    return [*(callbacks or []), monitor]
+    return [*callbacks, BatchSizeMonitor()]
 
 
 fit_loop.register("micro_batch_size", _with_batch_size_monitor)
