@@ -11,6 +11,7 @@ import pytest
 import tensorflow as tf
 from _helpers import two_replica_strategy
 
+import keras_fastloop as kf
 from keras_fastloop.callbacks.periodic_validation import PeriodicValidation
 from keras_fastloop.schedules import WarmupCosineDecayRestarts
 
@@ -503,3 +504,47 @@ def test_periodic_validation_takes_a_single_callback():
     stop = keras.callbacks.EarlyStopping(patience=1)
     pv = PeriodicValidation((x, y), every_n_steps=2, callbacks=stop)
     assert pv.callbacks == [stop]
+
+
+# ------------------------------------ validation data that could never be evaluated (review)
+
+
+def _arrays(n=16):
+    x = np.random.default_rng(0).random((n, 4)).astype("float32")
+    return x, x[:, :1]
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda x, y: (x, y[:5]),
+        lambda x, y: (x, y, np.ones(3, "float32")),
+        lambda x, y: ({"a": x, "b": x[:7]}, y),
+    ],
+    ids=["short_y", "short_sample_weight", "short_input_of_a_dict"],
+)
+def test_arrays_of_different_lengths_are_refused_at_construction(make):
+    x, y = _arrays()
+    with pytest.raises(ValueError, match=r"same number of samples\. Received: sizes"):
+        PeriodicValidation(make(x, y), every_n_steps=2)
+
+
+def test_an_infinite_dataset_needs_validation_steps():
+    x, y = _arrays()
+    endless = tf.data.Dataset.from_tensor_slices((x, y)).batch(4).repeat()
+    with pytest.raises(ValueError, match="infinite .*validation_steps=None"):
+        PeriodicValidation(endless, every_n_steps=2)
+    PeriodicValidation(endless, every_n_steps=2, validation_steps=2)  # bounded: fine
+
+
+@pytest.mark.parametrize("inputs_only", [lambda x: (x,), lambda x: x], ids=["tuple", "array"])
+def test_inputs_without_targets_fail_before_the_first_step(inputs_only):
+    x, y = _arrays()
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4,))
+    model = kf.OptimizedModel(inputs, keras.layers.Dense(1)(inputs))
+    model.compile("sgd", "mse")
+    callback = PeriodicValidation(inputs_only(x), every_n_steps=2)
+    with pytest.raises(ValueError, match="needs targets.*Received: validation_data with inputs"):
+        model.fit(x, y, batch_size=4, epochs=1, verbose=0, callbacks=[callback])
+    assert int(model.optimizer.iterations) == 0

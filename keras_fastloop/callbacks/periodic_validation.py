@@ -154,9 +154,11 @@ class PeriodicValidation(keras.callbacks.Callback):
         ValueError: At construction, if not exactly one frequency is given, if a
             frequency, `validation_steps` or `batch_size` is not a positive integer,
             if `validation_data` is missing, if `callbacks` holds a non-callback, or if
-            `backup_dir` is not a non-empty path. At the start of `fit`, if a
-            `tf.data.Dataset` `validation_data` is not batched (its elements have one
-            axis fewer than the model's inputs).
+            `backup_dir` is not a non-empty path, if the arrays of a tuple differ in
+            length, or if an infinite dataset comes without `validation_steps`. At the
+            start of `fit`, if a `tf.data.Dataset` `validation_data` is not batched (its
+            elements have one axis fewer than the model's inputs), or if arrays without
+            targets validate a model that compiled a loss.
 
     Example:
 
@@ -246,8 +248,10 @@ class PeriodicValidation(keras.callbacks.Callback):
             self._x, self._y, self._sample_weight = keras.utils.unpack_x_y_sample_weight(
                 tuple(validation_data)
             )
+            _check_same_length(validation_data)
         else:
             self._x, self._y, self._sample_weight = validation_data, None, None
+        _check_finite_dataset(validation_data, validation_steps)
 
         self.validation_data = validation_data
         self.every_n_steps = every_n_steps
@@ -281,6 +285,7 @@ class PeriodicValidation(keras.callbacks.Callback):
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         self._check_validation_batched()
+        self._check_targets()
         for callback in self.callbacks:
             callback.on_train_begin(logs)
         if self._pending_callback_state is not None:  # set_state() was called: resume
@@ -333,6 +338,19 @@ class PeriodicValidation(keras.callbacks.Callback):
             logs.update(self._epoch_val_logs)
 
     # -- validation -------------------------------------------------------------------------
+
+    def _check_targets(self):
+        """Raises at the start of `fit` when arrays without targets validate a model that
+        compiled a loss (the first validation would fail mid-training)."""
+        import tensorflow as tf
+
+        if isinstance(self._x, (tf.data.Dataset, keras.utils.PyDataset)) or self._y is not None:
+            return
+        if getattr(self.model, "_compile_loss", None) is not None:
+            raise ValueError(
+                "`validation_data` needs targets: the model compiled a loss. Pass (x, y) or "
+                "(x, y, sample_weight). Received: validation_data with inputs only"
+            )
 
     def _check_validation_batched(self):
         """Raises at the start of `fit` when a `tf.data` validation set is not batched.
@@ -524,3 +542,34 @@ class PeriodicValidation(keras.callbacks.Callback):
         self.last_validated_step = state["last_validated_step"]
         self.history = copy.deepcopy(list(state["history"]))
         self._pending_callback_state = copy.deepcopy(list(state["callbacks"]))
+
+
+def _check_same_length(arrays):
+    """Arrays of `(x, y[, sample_weight])` must share their first dimension (Keras' rule)."""
+    lengths = {
+        int(leaf.shape[0])
+        for leaf in keras.tree.flatten(tuple(arrays))
+        if getattr(leaf, "shape", None) is not None
+        and len(leaf.shape)
+        and leaf.shape[0] is not None
+    }
+    if len(lengths) > 1:
+        raise ValueError(
+            "The arrays of `validation_data` must all have the same number of samples. "
+            f"Received: sizes {sorted(lengths)}"
+        )
+
+
+def _check_finite_dataset(validation_data, validation_steps):
+    """An endless dataset needs `validation_steps`, or every validation would never end."""
+    import tensorflow as tf
+
+    if (
+        isinstance(validation_data, tf.data.Dataset)
+        and validation_steps is None
+        and int(validation_data.cardinality()) == int(tf.data.INFINITE_CARDINALITY)
+    ):
+        raise ValueError(
+            "An infinite `validation_data` dataset needs `validation_steps`. Received: "
+            "validation_data with infinite cardinality, validation_steps=None"
+        )
