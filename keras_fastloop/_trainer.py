@@ -565,6 +565,7 @@ class OptimizedTrainer:
         # Under loss scaling an overflow of a finite loss is routine (Keras halves the scale); a
         # non-finite loss is bad data: skipped without touching the scale.
         loss_finite = ops.all(ops.isfinite(ops.stack(global_losses))) if needs_global else None
+        halted_before = guards.halted_before(self._nonfinite, self._fastloop_state)
         allowed = guards.check(
             self._nonfinite,
             self._fastloop_state,
@@ -583,7 +584,10 @@ class OptimizedTrainer:
                 loss_finite if allowed is None else ops.logical_and(loss_finite, allowed)
             )
         self._apply(grads, variables, applied, scale, lso_condition)
-        self._fastloop_state.skipped_steps.assign_add(ops.cast(ops.logical_not(applied), "int64"))
+        skipped = ops.logical_not(applied)
+        if halted_before is not None:  # steps blocked after a halt were not skipped for NaN
+            skipped = ops.logical_and(skipped, ops.logical_not(halted_before))
+        self._fastloop_state.skipped_steps.assign_add(ops.cast(skipped, "int64"))
         if self._loss_weighting.has_state_update:
             distributed.cond(applied, self._loss_weighting.update, args=(list(global_losses[1:]),))
         self._record_metrics(result, applied, grad_norm)

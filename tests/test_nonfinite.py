@@ -468,3 +468,30 @@ def test_skip_warning_on_small_epochs():
     model.compile("sgd", lambda yt, yp: keras.ops.mean(yp, axis=-1) * np.nan)
     with pytest.warns(UserWarning, match="were skipped"):
         model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+
+
+@pytest.mark.parametrize("policy", ["raise", "terminate"])
+@pytest.mark.parametrize("loss_scaling", [False, True])
+def test_skipped_steps_do_not_count_the_steps_a_halt_blocks(policy, loss_scaling):
+    """One NaN batch in a block of 4: `skipped_steps` is 1 whatever `steps_per_execution`
+    (it counted the blocked finite steps after the halt: 3 with spe=4; review)."""
+    x, y = make_data(8, bad_batches=(1,))
+    counts = []
+    for steps_per_execution in (1, 4):
+        model = make_model()
+        optimizer = keras.optimizers.Adam(0.05)
+        if loss_scaling:
+            optimizer = keras.optimizers.LossScaleOptimizer(optimizer, initial_scale=8.0)
+        model.compile(
+            optimizer,
+            {"a": "mse", "b": "mse"},
+            nonfinite=policy,
+            steps_per_execution=steps_per_execution,
+            log_metrics=["skipped_steps"],
+        )
+        try:
+            model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+        except guards.NonFiniteError:
+            pass
+        counts.append((int(model.skipped_steps.numpy()), int(model.optimizer.iterations)))
+    assert counts == [(1, 1), (1, 1)]

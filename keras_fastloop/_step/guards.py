@@ -71,6 +71,17 @@ def _values(gradient):
     return gradient.values if isinstance(gradient, tf.IndexedSlices) else gradient
 
 
+def halted_before(policy, state):
+    """The halt flag as the step begins (bool scalar tensor), `None` under `"skip"`.
+
+    Steps that a halt blocks later in the same execution are not counted as skipped for
+    non-finite values, so `skipped_steps` does not depend on `steps_per_execution`.
+    """
+    if policy not in ("raise", "terminate"):
+        return None
+    return tf.identity(state.halted.value)  # read now, before `check` assigns it
+
+
 def check(policy, state, finite, loss_finite, grads, variables, iterations):
     """Apply the policy before the update; returns the extra condition the update needs.
 
