@@ -294,6 +294,16 @@ class OptimizedTrainer:
             mixed_precision.check_output_dtypes(self, self.dtype_policy.name)
         if layout is not None:
             self._build_weighting(layout)
+        object.__setattr__(self, "_fastloop_tasks_known_at_compile", layout is not None)
+        # Only the features that are on: with every feature off the config is a keras.Model
+        # one, which Keras' own code applies to plain models (clone_model of a Sequential).
+        features = {
+            "gradient_clipping": clipper,
+            "loss_weighting": weighting if loss_weighting is not None else None,
+            "micro_batch_size": micro_batch_size,
+            "nonfinite": None if nonfinite == "skip" else nonfinite,
+            "log_metrics": log_metrics,
+        }
         self._compile_config = internals.serialization_lib.SerializableDict(
             optimizer=optimizer,
             loss=loss,
@@ -303,11 +313,7 @@ class OptimizedTrainer:
             run_eagerly=run_eagerly,
             steps_per_execution=steps_per_execution,
             jit_compile=self.jit_compile,
-            gradient_clipping=clipper,
-            loss_weighting=weighting if loss_weighting is not None else None,
-            micro_batch_size=micro_batch_size,
-            nonfinite=nonfinite,
-            log_metrics=log_metrics,
+            **{name: value for name, value in features.items() if value is not None},
         )
 
     def _overrides_compute_loss(self):
@@ -695,8 +701,12 @@ class OptimizedTrainer:
         if self.compiled and hasattr(self, "_compile_config"):
             config = self._compile_config.serialize()
             task_loss = getattr(self, "_compile_loss", None)
-            if isinstance(task_loss, losses.TaskLoss) and task_loss.names is not None:
-                # Lets a loaded model create its weighting state before its variables load.
+            needs_tasks = self._loss_weighting_given or not self.__dict__.get(
+                "_fastloop_tasks_known_at_compile", False
+            )
+            if needs_tasks and isinstance(task_loss, losses.TaskLoss) and task_loss.names:
+                # Lets a loaded model create its weighting state before its variables load
+                # (a model whose outputs are known builds it in `compile` itself).
                 config["task_names"] = list(task_loss.names)
                 config["task_weights"] = list(task_loss.static_weights)
             return config

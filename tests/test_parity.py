@@ -848,3 +848,38 @@ def test_step_state_is_stored_by_name_and_loads_index_keyed_checkpoints():
     by_index[str([v.name for v in state.variables].index("skipped_steps"))] = np.int64(5)
     state.load_own_variables(by_index)  # the layout of earlier versions
     assert int(model.skipped_steps) == 5
+
+
+def test_clone_model_of_a_compiled_sequential_with_features_off():
+    """Keras clones any Sequential as a keras.Sequential and compiles it from the compile
+    config, which must then hold no keras_fastloop-only key (it raised TypeError)."""
+    x, y = rng_data(32)
+    clones = []
+    for cls in (keras.Sequential, kf.OptimizedSequential):
+        keras.utils.set_random_seed(7)
+        model = cls([keras.Input((4,)), keras.layers.Dense(1)])
+        model.compile("adam", "mse", metrics=["mae"])
+        clone = keras.models.clone_model(model)
+        assert clone.compiled
+        clone.set_weights(model.get_weights())
+        clones.append(clone.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False).history)
+    assert clones[1] == clones[0]
+
+
+def test_compile_config_keeps_the_features_that_are_on(tmp_path):
+    model = _two_task_build(kf.OptimizedModel)
+    model.compile("adam", {"a": "mse", "b": "sparse_categorical_crossentropy"})
+    assert not {"gradient_clipping", "nonfinite", "task_names"} & set(model.get_compile_config())
+    model.compile(
+        "adam",
+        {"a": "mse", "b": "sparse_categorical_crossentropy"},
+        gradient_clipping=1.0,
+        nonfinite="raise",
+        loss_weighting="uw",
+    )
+    config = model.get_compile_config()
+    assert {"gradient_clipping", "nonfinite", "loss_weighting"} <= set(config)
+    path = str(tmp_path / "uw.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    assert loaded.loss_weighting.name == "uw" and loaded.gradient_clipping is not None
