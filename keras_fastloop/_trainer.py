@@ -701,12 +701,13 @@ class OptimizedTrainer:
         if self.compiled and hasattr(self, "_compile_config"):
             config = self._compile_config.serialize()
             task_loss = getattr(self, "_compile_loss", None)
-            needs_tasks = self._loss_weighting_given or not self.__dict__.get(
+            needs_tasks = self._loss_weighting_given and not self.__dict__.get(
                 "_fastloop_tasks_known_at_compile", False
             )
             if needs_tasks and isinstance(task_loss, losses.TaskLoss) and task_loss.names:
                 # Lets a loaded model create its weighting state before its variables load
-                # (a model whose outputs are known builds it in `compile` itself).
+                # (a model whose outputs are known builds it in `compile` itself; the default
+                # static weights are rebuilt from `loss_weights` at the first step).
                 config["task_names"] = list(task_loss.names)
                 config["task_weights"] = list(task_loss.static_weights)
             return config

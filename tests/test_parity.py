@@ -859,6 +859,7 @@ def test_clone_model_of_a_compiled_sequential_with_features_off():
         keras.utils.set_random_seed(7)
         model = cls([keras.Input((4,)), keras.layers.Dense(1)])
         model.compile("adam", "mse", metrics=["mae"])
+        model.fit(x, y, batch_size=8, verbose=0)  # a fitted model knows its tasks (review)
         clone = keras.models.clone_model(model)
         assert clone.compiled
         clone.set_weights(model.get_weights())
