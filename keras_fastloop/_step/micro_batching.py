@@ -25,7 +25,7 @@ from keras import ops
 from keras_fastloop import _fit_loop as fit_loop
 from keras_fastloop import _keras_internals as internals
 from keras_fastloop._step import loss_shares
-from keras_fastloop._step.results import StepResult
+from keras_fastloop._step.results import StepResult, restore_point
 from keras_fastloop._warnings import FastloopWarning
 
 
@@ -285,14 +285,7 @@ def _metrics_snapshot(model):
     compile_metrics = model._compile_metrics
     if compile_metrics is None:
         return (lambda *args: None), None
-    variables = compile_metrics.variables
-    saved = [tf.identity(v.value) for v in variables]
-
-    def undo():
-        for variable, value in zip(variables, saved):
-            variable.assign(value)
-
-    return compile_metrics.update_state, undo
+    return compile_metrics.update_state, restore_point(compile_metrics.variables)
 
 
 def _total(reduction, masked, mask_total, weight_total, n):

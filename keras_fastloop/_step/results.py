@@ -11,6 +11,7 @@ import dataclasses
 from collections.abc import Callable
 
 import keras
+import tensorflow as tf
 from keras import ops
 
 LOG_METRICS = ("grad_norm", "skipped_steps", "loss_scale")
@@ -50,6 +51,18 @@ class StepResult:
     undo_metrics: Callable[[], None] | None = None
     global_losses: list | None = None
     y_pred: object = None
+
+
+def restore_point(variables):
+    """Saves the variables' values now; returns `undo`, which assigns them back."""
+    variables = list(variables)
+    saved = [tf.identity(v.value) for v in variables]
+
+    def undo():
+        for variable, value in zip(variables, saved):
+            variable.assign(value)
+
+    return undo
 
 
 class LastValue(keras.metrics.Metric):

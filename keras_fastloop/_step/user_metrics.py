@@ -14,6 +14,8 @@ import keras
 import tensorflow as tf
 from keras import ops
 
+from keras_fastloop._step.results import restore_point
+
 
 def overrides_compute_metrics(model) -> bool:
     """Whether the model's class replaces Keras' `compute_metrics`."""
@@ -33,14 +35,8 @@ def compute_metrics(model, x, y, y_pred, sample_weight, applied):
         The override's logs; where the step was skipped, the keys that are metric results
         hold the restored results.
     """
-    variables = [v for metric in model.metrics for v in metric.variables]
-    saved = [tf.identity(v.value) for v in variables]
+    undo = restore_point(v for metric in model.metrics for v in metric.variables)
     logs = model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-
-    def undo():
-        for variable, value in zip(variables, saved):
-            variable.assign(value)
-
     tf.cond(applied, lambda: None, undo)
     restored = model.get_metrics_result()
 
