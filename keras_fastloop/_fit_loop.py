@@ -153,6 +153,8 @@ def fit(model, keras_fit, args, kwargs):
             run.iterator.__dict__.pop("_enumerate_iterator", None)
         if auto is not None:
             auto.k = 1
+            if auto.multi_step is not None:
+                auto.multi_step.join()
 
 
 class _ExecutionClock(keras.callbacks.Callback):
@@ -289,7 +291,7 @@ def _grouped(run, slots):
     pending = None  # (steps, start time) of the execution yielded last, if it is measured
     for begin, end, data_iterator in slots:
         _observe(state, pending)
-        taken, last, gap = 1, end, None
+        taken, last, gap, measured = 1, end, None, known_length
         if known_length:
             limit = num_batches - begin if num_batches else None
             step = int(keras.ops.convert_to_numpy(model.optimizer.iterations)) if read_step else 0
@@ -297,6 +299,8 @@ def _grouped(run, slots):
             if gap is not None:
                 limit = gap if limit is None else min(limit, gap)
             k = state.tuner.propose(limit)
+            if k > 1 and not state.multi_step.ready(data_iterator, state.compile_in_background):
+                k, measured = 1, False  # compiling: one step, not what the tuner asked for
             while taken < k:
                 try:
                     _, last, _ = next(slots)
@@ -307,7 +311,7 @@ def _grouped(run, slots):
         state.executions.append((begin, taken))
         state.execution_end = None
         state.traced = False
-        pending = (taken, state.clock()) if known_length else None
+        pending = (taken, state.clock()) if measured else None
         yield begin, last, data_iterator
     _observe(state, pending)  # the epoch's last execution: its callbacks have run
 

@@ -39,6 +39,7 @@ def make_model(steps_per_execution=1, features=8, seed=0):
         state = model._fastloop_auto_spe
         state.tuner = StepsPerExecutionTuner(window=1, min_window_seconds=0, max_steps=32)
         state.clock = _FakeClock()
+        state.compile_in_background = False  # deterministic, as the clock
     return model
 
 

@@ -28,7 +28,7 @@ def drive(tuner, seconds_for, executions, limit=None):
 
 
 def test_grows_while_it_pays_then_settles_at_the_cap():
-    tuner = StepsPerExecutionTuner(max_steps=16, window=2, min_window_seconds=0)
+    tuner = StepsPerExecutionTuner(growth_factor=2, max_steps=16, window=2, min_window_seconds=0)
     # Fixed 10 ms per execution overhead + 1 ms per step: larger k always pays by > 5%.
     proposals = drive(tuner, lambda k, i: 0.010 + 0.001 * k, 40)
     # warm-up, the first count alone, then each candidate (its first execution dropped: the
@@ -46,7 +46,9 @@ def test_grows_while_it_pays_then_settles_at_the_cap():
 
 
 def test_settles_on_the_best_when_growth_stops_paying():
-    tuner = StepsPerExecutionTuner(window=1, min_window_seconds=0, warmup_executions=0, patience=2)
+    tuner = StepsPerExecutionTuner(
+        growth_factor=2, window=1, min_window_seconds=0, warmup_executions=0, patience=2
+    )
     # Throughput improves up to k=4, then flat: 4 is the best; 8 and 16 do not pay.
     rate = {1: 100.0, 2: 180.0, 4: 300.0, 8: 305.0, 16: 306.0}
     proposals = drive(tuner, lambda k, i: k / rate[k], 12)
@@ -57,7 +59,9 @@ def test_settles_on_the_best_when_growth_stops_paying():
 
 
 def test_falls_back_to_one_when_larger_counts_are_slower():
-    tuner = StepsPerExecutionTuner(window=1, min_window_seconds=0, warmup_executions=0)
+    tuner = StepsPerExecutionTuner(
+        growth_factor=2, window=1, min_window_seconds=0, warmup_executions=0
+    )
     rate = {1: 100.0, 2: 90.0, 4: 80.0}
     proposals = drive(tuner, lambda k, i: k / rate[k], 7)
     assert proposals == [1, 2, 1, 4, 1, 1, 1]
@@ -70,7 +74,9 @@ def test_a_machine_that_speeds_up_during_the_probe_does_not_make_growth_look_pay
     Measured one after the other, each larger candidate would look ~10 % faster than the count
     measured before it; measured in alternation with it, it does not.
     """
-    tuner = StepsPerExecutionTuner(window=3, min_window_seconds=0, warmup_executions=0)
+    tuner = StepsPerExecutionTuner(
+        growth_factor=2, window=3, min_window_seconds=0, warmup_executions=0
+    )
     proposals = drive(tuner, lambda k, i: 0.01 * k * 0.97**i, 16)
     assert tuner.phase == "settled" and tuner.steps == 1
     assert ("settle", 1, "no gain") in tuner.history
@@ -80,7 +86,7 @@ def test_a_machine_that_speeds_up_during_the_probe_does_not_make_growth_look_pay
 def test_one_disturbed_window_of_the_best_does_not_make_growth_look_paying():
     """A slow first window (another process) used to be the yardstick for the next candidate."""
     tuner = StepsPerExecutionTuner(
-        window=2, min_window_seconds=0, warmup_executions=0, min_gain=0.05
+        growth_factor=2, window=2, min_window_seconds=0, warmup_executions=0, min_gain=0.05
     )
     proposals = drive(tuner, lambda k, i: 0.01 * k * (2.0 if i < 2 else 1.0), 14)
     assert tuner.steps == 1 and tuner.phase == "settled"
@@ -88,7 +94,9 @@ def test_one_disturbed_window_of_the_best_does_not_make_growth_look_paying():
 
 
 def test_warmup_observation_is_dropped():
-    tuner = StepsPerExecutionTuner(window=1, min_window_seconds=0, warmup_executions=1)
+    tuner = StepsPerExecutionTuner(
+        growth_factor=2, window=1, min_window_seconds=0, warmup_executions=1
+    )
     tuner.observe(1, 100.0)  # tracing: absurdly slow, must not count
     assert tuner.history == []
     tuner.observe(1, 0.01)
@@ -102,7 +110,12 @@ def test_warmup_observation_is_dropped():
 
 def test_retunes_when_throughput_drifts():
     tuner = StepsPerExecutionTuner(
-        max_steps=4, window=1, min_window_seconds=0, warmup_executions=0, drift_windows=2
+        growth_factor=2,
+        max_steps=4,
+        window=1,
+        min_window_seconds=0,
+        warmup_executions=0,
+        drift_windows=2,
     )
     drive(tuner, lambda k, i: 0.01 + 0.001 * k, 6)
     assert tuner.phase == "settled" and tuner.steps == 4
@@ -116,7 +129,9 @@ def test_retunes_when_throughput_drifts():
 
 
 def test_no_retune_within_tolerance():
-    tuner = StepsPerExecutionTuner(max_steps=2, window=1, min_window_seconds=0, warmup_executions=0)
+    tuner = StepsPerExecutionTuner(
+        growth_factor=2, max_steps=2, window=1, min_window_seconds=0, warmup_executions=0
+    )
     drive(tuner, lambda k, i: 0.01 + 0.001 * k, 4)
     assert tuner.phase == "settled"
     drive(tuner, lambda k, i: (1.1 if i % 2 else 0.9) * (0.01 + 0.001 * k), 10)
@@ -125,7 +140,9 @@ def test_no_retune_within_tolerance():
 
 
 def test_bounds_limit_horizon_and_max_steps():
-    tuner = StepsPerExecutionTuner(max_steps=8, window=1, min_window_seconds=0, warmup_executions=0)
+    tuner = StepsPerExecutionTuner(
+        growth_factor=2, max_steps=8, window=1, min_window_seconds=0, warmup_executions=0
+    )
     proposals = drive(tuner, lambda k, i: 0.01, 12)  # constant time: every growth pays
     assert max(proposals) == 8
     assert tuner.propose(limit=3) == 3
@@ -138,7 +155,11 @@ def test_bounds_limit_horizon_and_max_steps():
 
 def test_does_not_grow_past_max_seconds_per_execution():
     tuner = StepsPerExecutionTuner(
-        window=1, min_window_seconds=0, warmup_executions=0, max_seconds_per_execution=0.5
+        growth_factor=2,
+        window=1,
+        min_window_seconds=0,
+        warmup_executions=0,
+        max_seconds_per_execution=0.5,
     )
     proposals = drive(tuner, lambda k, i: 0.3 * k, 6)  # rate constant; k=2 takes 0.6 s
     assert max(proposals) <= 2
@@ -146,7 +167,9 @@ def test_does_not_grow_past_max_seconds_per_execution():
 
 
 def test_executions_cut_short_are_not_measurements_and_end_the_probe():
-    tuner = StepsPerExecutionTuner(window=1, min_window_seconds=0, warmup_executions=0)
+    tuner = StepsPerExecutionTuner(
+        growth_factor=2, window=1, min_window_seconds=0, warmup_executions=0
+    )
     drive(tuner, lambda k, i: 0.01, 3)  # k=1, then k=2 against k=1: pays
     assert tuner.steps == 4
     drive(tuner, lambda k, i: 0.01, 4, limit=3)  # 4 never runs in full
@@ -157,21 +180,54 @@ def test_executions_cut_short_are_not_measurements_and_end_the_probe():
 def test_a_window_spans_min_window_seconds_of_executions():
     """On a fast step a window of `window` executions is too short to outlast jitter."""
     step = 1 / 64  # seconds per step, exact in binary
-    tuner = StepsPerExecutionTuner(window=2, min_window_seconds=1 / 8, warmup_executions=0)
+    tuner = StepsPerExecutionTuner(
+        growth_factor=2, window=2, min_window_seconds=1 / 8, warmup_executions=0
+    )
     drive(tuner, lambda k, i: step * k, 7)
     assert tuner.history == []  # 7 executions of 1/64 s < 1/8 s
     drive(tuner, lambda k, i: step * k, 1)
     assert tuner.history == [("probing", 1, pytest.approx(64.0))]
-    # strict alternation until both windows hold 1/8 s: 8 executions of 1 step, 8 of 2 steps
-    proposals = drive(tuner, lambda k, i: step * k, 16)
-    assert proposals == [2, 1] * 8
+    # strict alternation until the candidate's window holds 1/8 s: 4 executions of 2 steps,
+    # each paired with one of 1 step (the best's window needs `window` executions, not time)
+    proposals = drive(tuner, lambda k, i: step * k, 8)
+    assert proposals == [2, 1] * 4
     assert tuner.history[-1] == ("probing", 2, pytest.approx(64.0))
     assert tuner.phase == "probing" and tuner.steps == 4  # equal rates: a miss, patience left
 
 
+def test_the_time_bound_of_a_paired_window_is_on_the_candidate():
+    """1 ms steps, a 0.25 s window: pairing 4 with 1 takes 63 pairs (0.25 s of 4-step
+    executions), not the 250 pairs (1.25 s) that 0.25 s of 1-step executions would take."""
+    tuner = StepsPerExecutionTuner(window=3, min_window_seconds=0.25, warmup_executions=0)
+    drive(tuner, lambda k, i: 0.001 * k, 250)  # k=1 alone
+    assert len(tuner.history) == 1
+    proposals = drive(tuner, lambda k, i: 0.001 * k, 2 * 63)
+    assert proposals == [4, 1] * 63
+    assert tuner.history[-1][:2] == ("probing", 4)
+
+
+def test_one_slow_execution_does_not_decide_a_window():
+    """A retrace of 0.5 s fills the candidate's 0.25 s of window time by itself; the window
+    still holds `window` pairs, and the median of their ratios outvotes the slow one."""
+    tuner = StepsPerExecutionTuner(
+        growth_factor=2, window=3, min_window_seconds=0.25, warmup_executions=0
+    )
+    drive(tuner, lambda k, i: 0.001 * k, 250)  # k=1 alone: 250 executions of 1 ms
+    assert tuner.history == [("probing", 1, pytest.approx(1000.0))]
+    tuner.observe(2, 0.5)  # the candidate's first execution: slow
+    proposals = drive(tuner, lambda k, i: 0.001 * k, 5)
+    assert proposals == [1, 2, 1, 2, 1]  # three pairs
+    assert tuner.history[1][:2] == ("probing", 2)
+    assert tuner.best_steps == 1 and tuner._misses == 1  # equal rates on the median: a miss
+    drive(tuner, lambda k, i: 0.001 * k, 1500)
+    assert ("settle", 1, "no gain") in tuner.history  # 1 ms per step at every count
+
+
 def test_open_windows_carry_over_to_the_next_fit():
     """`fit` called once per epoch, each call shorter than a window: the probe still ends."""
-    tuner = StepsPerExecutionTuner(window=3, min_window_seconds=0, warmup_executions=1)
+    tuner = StepsPerExecutionTuner(
+        growth_factor=2, window=3, min_window_seconds=0, warmup_executions=1
+    )
     rate = {1: 100.0, 2: 180.0, 4: 300.0, 8: 310.0, 16: 312.0}
     for _ in range(40):  # 40 `fit` calls of 3 executions each (the first is the warm-up)
         tuner.begin()
@@ -182,7 +238,9 @@ def test_open_windows_carry_over_to_the_next_fit():
 
 def test_a_new_fit_on_other_data_does_not_make_growth_look_paying():
     """Windows carried over to a 10x slower `fit`: every pair is measured within one `fit`."""
-    tuner = StepsPerExecutionTuner(window=3, min_window_seconds=0, warmup_executions=0)
+    tuner = StepsPerExecutionTuner(
+        growth_factor=2, window=3, min_window_seconds=0, warmup_executions=0
+    )
     drive(tuner, lambda k, i: 0.001 * k, 4)  # k=1 alone, then k=2's first (dropped) execution
     drive(tuner, lambda k, i: 0.001 * k, 3)  # fit A: 1000 steps/s at every count
     tuner.begin()
@@ -190,21 +248,10 @@ def test_a_new_fit_on_other_data_does_not_make_growth_look_paying():
     assert tuner.phase == "settled" and tuner.steps == 1
 
 
-def test_one_slow_execution_does_not_close_a_window_alone():
-    """A retrace of 0.5 s used to fill the candidate's 0.25 s window by itself; the counts now
-    alternate strictly until both windows are full."""
-    tuner = StepsPerExecutionTuner(window=3, min_window_seconds=0.25, warmup_executions=0)
-    drive(tuner, lambda k, i: 0.001 * k, 250)  # k=1 alone: 250 executions of 1 ms
-    assert tuner.history == [("probing", 1, pytest.approx(1000.0))]
-    tuner.observe(2, 0.5)  # the candidate's first execution: slow
-    proposals = drive(tuner, lambda k, i: 0.001 * k, 1500)
-    assert proposals[:9] == [1, 2, 1, 2, 1, 2, 1, 2, 1]
-    assert len(tuner.history) >= 2 and tuner.history[1][:2] == ("probing", 2)
-    assert ("settle", 1, "no gain") in tuner.history  # 1 ms per step at every count
-
-
 def test_a_cap_that_changes_the_choice_is_measured_afresh():
-    tuner = StepsPerExecutionTuner(max_steps=8, window=1, min_window_seconds=0, warmup_executions=0)
+    tuner = StepsPerExecutionTuner(
+        growth_factor=2, max_steps=8, window=1, min_window_seconds=0, warmup_executions=0
+    )
     drive(tuner, lambda k, i: 0.01, 20)  # constant time per execution: settles at 8
     assert tuner.phase == "settled" and tuner.steps == 8
     tuner.set_horizon(2)
@@ -215,7 +262,9 @@ def test_a_cap_that_changes_the_choice_is_measured_afresh():
 
 
 def test_a_retune_stays_within_the_cap():
-    tuner = StepsPerExecutionTuner(initial=4, window=1, min_window_seconds=0, warmup_executions=0)
+    tuner = StepsPerExecutionTuner(
+        growth_factor=2, initial=4, window=1, min_window_seconds=0, warmup_executions=0
+    )
     tuner.set_horizon(2)
     drive(tuner, lambda k, i: 0.01, 3)
     assert tuner.phase == "settled" and tuner.steps == 2
@@ -225,7 +274,9 @@ def test_a_retune_stays_within_the_cap():
 
 
 def test_cut_short_and_non_finite_executions_are_not_measurements():
-    tuner = StepsPerExecutionTuner(window=1, min_window_seconds=0, warmup_executions=0)
+    tuner = StepsPerExecutionTuner(
+        growth_factor=2, window=1, min_window_seconds=0, warmup_executions=0
+    )
     drive(tuner, lambda k, i: 0.01, 1)  # k=1 measured: k=2 is the candidate
     assert tuner._pairing and tuner._due() == 2
     tuner.observe(1, float("inf"))
@@ -291,6 +342,10 @@ def _data(n=200, seed=1):
     return x, y
 
 
+def iterations(model):
+    return int(model.optimizer.iterations.numpy())
+
+
 def _dataset(x, y, batch_size=8):
     return tf.data.Dataset.from_tensor_slices((x, y)).batch(batch_size)
 
@@ -328,13 +383,16 @@ def _auto_model(tuner):
     state = model._fastloop_auto_spe
     state.tuner = tuner
     state.clock = _FakeClock()
+    state.compile_in_background = False  # deterministic, as the clock
     return model, state
 
 
 def test_periodic_validation_fires_at_exact_steps_with_auto():
     x, y = _data(200)  # 25 batches per epoch
     x_val, y_val = _data(32, seed=2)
-    model, state = _auto_model(StepsPerExecutionTuner(window=1, min_window_seconds=0))
+    model, state = _auto_model(
+        StepsPerExecutionTuner(growth_factor=2, window=1, min_window_seconds=0)
+    )
     validation = PeriodicValidation((x_val, y_val), every_n_steps=7)
     model.fit(_dataset(x, y), epochs=3, callbacks=[validation], verbose=0)
     steps = [entry["step"] for entry in validation.history]
@@ -354,10 +412,56 @@ def test_auto_trains_exactly_like_one_step_per_execution():
     reference = _model()
     reference.compile(keras.optimizers.SGD(0.05), "sparse_categorical_crossentropy")
     history_1 = reference.fit(_dataset(x, y), epochs=2, verbose=0).history
-    model, state = _auto_model(StepsPerExecutionTuner(window=1, min_window_seconds=0))
+    model, state = _auto_model(
+        StepsPerExecutionTuner(growth_factor=2, window=1, min_window_seconds=0)
+    )
     history_auto = model.fit(_dataset(x, y), epochs=2, verbose=0).history
     assert max(k for _, k in state.executions) > 1
     np.testing.assert_allclose(history_auto["loss"], history_1["loss"], rtol=1e-5)
+    for a, b in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_the_multi_step_function_compiles_in_the_background_without_reading_data():
+    """While the loop compiles (on an empty iterator, in a thread), `fit` trains one step per
+    execution and the tuner is not fed; no batch is skipped or read twice, `train_step` is
+    traced once, and the compile is done when `fit` returns."""
+
+    class Counting(OptimizedModel):
+        traces = 0
+
+        def train_step(self, data):
+            Counting.traces += 1
+            return super().train_step(data)
+
+    x, y = _data(400)  # 50 batches per epoch
+    reference = _model()
+    reference.compile(keras.optimizers.SGD(0.05), "sparse_categorical_crossentropy")
+    history_1 = reference.fit(_dataset(x, y), epochs=4, verbose=0).history
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((8,))
+    h = keras.layers.Dense(16, activation="relu")(inputs)
+    model = Counting(inputs, keras.layers.Dense(3, activation="softmax")(h))
+    model.compile(
+        keras.optimizers.SGD(0.05), "sparse_categorical_crossentropy", steps_per_execution="auto"
+    )
+    state = model._fastloop_auto_spe
+    state.tuner = StepsPerExecutionTuner(window=1, min_window_seconds=0, warmup_executions=0)
+    state.clock = _FakeClock()
+    assert state.compile_in_background  # the default
+    history = model.fit(_dataset(x, y), epochs=2, verbose=0).history
+    # execution 0 traces, execution 1 closes the first window (k=1), the candidate 4 is due
+    # next: the compile starts and execution 2 runs one step, not fed to the tuner
+    assert state.executions[:3] == [(0, 1), (1, 1), (2, 1)]
+    # fed to the tuner, one-step executions while 4 is due would soon have ended the probe
+    # ("candidate cannot run in full" after 4 of them)
+    assert all(entry[0] != "settle" for entry in state.tuner.history)
+    assert not state.multi_step._thread.is_alive()  # joined at the end of `fit`
+    history_2 = model.fit(_dataset(x, y), epochs=2, verbose=0).history
+    assert max(k for _, k in state.executions) > 1  # compiled: grouped from the start
+    assert Counting.traces == 1
+    assert iterations(model) == iterations(reference) == 200
+    np.testing.assert_allclose(history["loss"] + history_2["loss"], history_1["loss"], rtol=1e-5)
     for a, b in zip(model.get_weights(), reference.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
@@ -368,7 +472,7 @@ def test_a_candidate_at_the_horizon_is_measured_and_the_probe_settles(horizon):
     candidate equal to the horizon was never measured and the probe never ended."""
     x, y = _data(32)  # 4 batches per epoch
     model, state = _auto_model(
-        StepsPerExecutionTuner(window=2, min_window_seconds=0, warmup_executions=1)
+        StepsPerExecutionTuner(growth_factor=2, window=2, min_window_seconds=0, warmup_executions=1)
     )
     callbacks = []
     if horizon == "event":  # an event every 2 steps, besides the epoch end
@@ -382,7 +486,7 @@ def test_a_candidate_at_the_horizon_is_measured_and_the_probe_settles(horizon):
 def test_a_loop_of_short_fits_finishes_the_probe():
     x, y = _data(32)  # 4 batches per epoch
     model, state = _auto_model(
-        StepsPerExecutionTuner(window=2, min_window_seconds=0, warmup_executions=1)
+        StepsPerExecutionTuner(growth_factor=2, window=2, min_window_seconds=0, warmup_executions=1)
     )
     for _ in range(40):
         model.fit(_dataset(x, y), epochs=1, verbose=0)
@@ -391,7 +495,9 @@ def test_a_loop_of_short_fits_finishes_the_probe():
 
 def test_the_tuner_of_a_model_is_public_and_outlives_fit():
     x, y = _data(200)
-    model, state = _auto_model(StepsPerExecutionTuner(window=1, min_window_seconds=0))
+    model, state = _auto_model(
+        StepsPerExecutionTuner(growth_factor=2, window=1, min_window_seconds=0)
+    )
     assert tuning.steps_per_execution_tuner(model) is state.tuner
     model.fit(_dataset(x, y), epochs=1, verbose=0)
     tuner = tuning.steps_per_execution_tuner(model)

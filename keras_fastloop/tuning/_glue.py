@@ -7,6 +7,7 @@ grouping of batches into executions lives in `keras_fastloop._fit_loop`.
 
 from __future__ import annotations
 
+import threading
 import time
 
 import keras
@@ -26,6 +27,71 @@ class _AutoState:
         self.traced = False  # whether the last train-function call traced a function
         self.execution_clock = None  # the fit loop's callback that sets it
         self.executions = []  # (begin_step, steps) of the current fit, for tests and reports
+        self.multi_step = None  # the `_MultiStepCompile` of the current train function
+        self.compile_in_background = True  # False: compile when first needed (tests)
+
+
+class _MultiStepCompile:
+    """Compiles the multi-step train function in the background while `fit` trains on.
+
+    The first call of a `tf.function` traces it (Python) and then instantiates its graph:
+    grappler's optimizations and the executor's setup, in C++, without the GIL. For the
+    multi-step loop the second part is most of the cost (0.46 s of 0.54 s on the bench CNN,
+    AMD EPYC with AVX512_BF16, `docs/performance.md`), and without a warm-up the first
+    execution of more than one step pays all of it. Here the loop is traced on the main
+    thread (tracing reads Keras' thread-local state) and then called once in a background
+    thread with an *empty* iterator of the same element spec: the same concrete function is
+    instantiated, no batch is read and no step runs. Meanwhile the fit loop keeps running one
+    step per execution. Under a distribution strategy (a `DistributedIterator`) the loop is
+    compiled by its first call, as without the warm-up.
+    """
+
+    def __init__(self, multi_step_function):
+        self._function = multi_step_function
+        self._thread = None
+
+    def ready(self, iterator, background=True):
+        """Whether an execution of more than one step can run without compiling first.
+
+        The first call starts the compile (tracing happens here, on the calling thread).
+
+        Args:
+            iterator: the data iterator the execution would read.
+            background: bool, compile in a background thread (else here, before returning
+                `True`). Defaults to `True`.
+
+        Returns:
+            bool.
+        """
+        if not isinstance(iterator, tf.data.Iterator):
+            return True
+        if self._thread is None:
+            steps = tf.constant(2, tf.int32)
+            self._function.get_concrete_function(iterator, steps)  # trace on this thread
+            empty = tf.data.Dataset.from_generator(
+                lambda: iter(()), output_signature=iterator.element_spec
+            )
+            self._thread = threading.Thread(
+                target=self._instantiate,
+                args=(empty, steps),
+                name="keras_fastloop-multi-step-compile",
+                daemon=True,
+            )
+            self._thread.start()
+            if not background:
+                self._thread.join()
+        return not self._thread.is_alive()
+
+    def _instantiate(self, empty, steps):
+        try:
+            self._function(iter(empty), steps)
+        except Exception:  # noqa: BLE001 - the function's first real call raises it again
+            pass
+
+    def join(self):
+        """Waits for a running compile (at the end of `fit`)."""
+        if self._thread is not None:
+            self._thread.join()
 
 
 def resolve_steps_per_execution(value, tuner=None):
@@ -154,6 +220,8 @@ def _variable_steps_function(model, step_function, state):
 
     def traces():
         return sum(f.experimental_get_tracing_count() for f in traceable)
+
+    state.multi_step = _MultiStepCompile(multi_step_on_iterator)
 
     def function(iterator):
         if isinstance(iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)):
