@@ -230,15 +230,29 @@ def summarize(runs, target_loss, baseline):
     return rows
 
 
+def _per_round(ratios):
+    """`'median (min-max)'` of the paired per-round ratios, or `'–'` with fewer than two."""
+    ratios = [r for r in ratios if r == r]
+    if len(ratios) < 2:
+        return "–"
+    return f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})"
+
+
 def markdown_table(rows, baseline, target_loss):
+    """The suite's table. Throughput: the ratio of the medians over the rounds, then the ratio
+    of each round's run to the baseline's run of the same round (median and range): a drift of
+    the machine between rounds moves both runs of a pair, so the range says how far one
+    round can be trusted."""
     head = (
-        f"| contender | samples/s | throughput vs `{baseline}` | first epoch, with tracing (s) "
+        f"| contender | samples/s | throughput vs `{baseline}` | per round: median (range) "
+        f"| first epoch, with tracing (s) "
         f"| vs `{baseline}` | time to train loss ≤ {target_loss:g} (s) | speed-up to target "
         "| final val acc | peak RSS growth (MB) |\n"
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|\n"
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
     )
     lines = [
         f"| {r['contender']} | {r['throughput_samples_per_s']:.0f} | {r['throughput_ratio']:.3f}× | "
+        f"{_per_round(r['per_round_throughput_ratio'])} | "
         f"{r['first_epoch_s']:.2f} | {r['first_epoch_ratio']:.2f}× | "
         f"{r['time_to_target_s']:.2f} | {r['speedup_to_target']:.2f}× | {r['val_accuracy']:.4f} | "
         f"{r['peak_rss_growth_mb']:.0f} |"

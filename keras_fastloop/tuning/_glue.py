@@ -48,6 +48,7 @@ class _MultiStepCompile:
 
     def __init__(self, multi_step_function):
         self._function = multi_step_function
+        self._started = False
         self._thread = None
 
     def ready(self, iterator, background=True):
@@ -65,22 +66,30 @@ class _MultiStepCompile:
         """
         if not isinstance(iterator, tf.data.Iterator):
             return True
-        if self._thread is None:
-            steps = tf.constant(2, tf.int32)
-            self._function.get_concrete_function(iterator, steps)  # trace on this thread
+        if not self._started:
+            self._started = True
+            self._thread = self._start(iterator)
+            if not background:
+                self.join()
+        return self._thread is None or not self._thread.is_alive()
+
+    def _start(self, iterator):
+        steps = tf.constant(2, tf.int32)
+        self._function.get_concrete_function(iterator, steps)  # trace on this thread
+        try:
             empty = tf.data.Dataset.from_generator(
                 lambda: iter(()), output_signature=iterator.element_spec
             )
-            self._thread = threading.Thread(
-                target=self._instantiate,
-                args=(empty, steps),
-                name="keras_fastloop-multi-step-compile",
-                daemon=True,
-            )
-            self._thread.start()
-            if not background:
-                self._thread.join()
-        return not self._thread.is_alive()
+        except (TypeError, ValueError):  # a spec from_generator cannot give: compile in line
+            return None
+        thread = threading.Thread(
+            target=self._instantiate,
+            args=(empty, steps),
+            name="keras_fastloop-multi-step-compile",
+            daemon=True,
+        )
+        thread.start()
+        return thread
 
     def _instantiate(self, empty, steps):
         try:
