@@ -220,25 +220,37 @@ PROFILED = (
     BASELINE,
     "OptimizedModel.fit (features off)",
     "OptimizedModel.fit (+ clipping, guards)",
+    RECOMMENDED,
 )
 
 
-def profile_step(data, out_dir, compile_kwargs=None, model_cls=keras.Model, top=6):
+def profile_step(
+    data, out_dir, compile_kwargs=None, model_cls=keras.Model, top=6, policy=None, pipeline=False
+):
     """Op time by type over the second epoch of a fresh 2-epoch `fit` (`ProfilerWindow`).
 
-    Run after the timed rounds, so profiling never slows a timed run. Returns the rows of
-    `ProfilerWindow.op_time_by_type` as dicts plus `op_ms_per_step` (all op types).
+    Run after the timed rounds, so profiling never slows a timed run. `policy`: the dtype
+    policy to build the model under (`None`: the current one); `pipeline`: train on
+    `optimize_pipeline(data.train())`. Returns the rows of `ProfilerWindow.op_time_by_type` as
+    dicts plus `op_ms_per_step` (all op types).
     """
     steps = -(-len(data.x) // BATCH_SIZE)
     profiler = ProfilerWindow(steps + 1, 2 * steps, logdir=out_dir)
-    model = build_cnn(model_cls)
+    previous = keras.config.dtype_policy()
+    try:
+        if policy is not None:
+            keras.config.set_dtype_policy(policy)
+        model = build_cnn(model_cls)
+    finally:
+        keras.config.set_dtype_policy(previous)
     model.compile(
         keras.optimizers.Adam(LEARNING_RATE),
         "sparse_categorical_crossentropy",
         metrics=["accuracy"],
         **(compile_kwargs or {}),
     )
-    model.fit(data.train(), epochs=2, callbacks=[profiler], verbose=0)
+    train = tuning.optimize_pipeline(data.train()) if pipeline else data.train()
+    model.fit(train, epochs=2, callbacks=[profiler], verbose=0)
     rows = profiler.op_time_by_type()
     by_type = {}
     for r in rows:
@@ -364,6 +376,12 @@ def run(
         "OptimizedModel.fit (+ clipping, guards)": {
             "model_cls": OptimizedModel,
             "compile_kwargs": {"gradient_clipping": 1.0},
+        },
+        RECOMMENDED: {
+            "model_cls": OptimizedModel,
+            "compile_kwargs": {"steps_per_execution": tuning.AUTO},
+            "policy": choice.policy,
+            "pipeline": True,
         },
     }
     with tempfile.TemporaryDirectory() as logdir:
