@@ -299,8 +299,12 @@ def _grouped(run, slots):
             if gap is not None:
                 limit = gap if limit is None else min(limit, gap)
             k = state.tuner.propose(limit)
-            if k > 1 and not state.multi_step.ready(data_iterator, state.compile_in_background):
-                k, measured = 1, False  # compiling: one step, not what the tuner asked for
+            wants_loop = state.tuner.propose() > 1  # the count due, before the limit cuts it
+            if wants_loop and not state.multi_step.ready(
+                data_iterator, state.compile_in_background
+            ):
+                # compiling: one step, not what the tuner asked for (nor a cut-short candidate)
+                k, measured = 1, False
             while taken < k:
                 try:
                     _, last, _ = next(slots)

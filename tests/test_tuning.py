@@ -466,6 +466,36 @@ def test_the_multi_step_function_compiles_in_the_background_without_reading_data
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+class _CompilingFor:
+    """A stand-in for the background compile: not ready for its first `checks` checks."""
+
+    def __init__(self, checks):
+        self.checks = checks
+
+    def ready(self, iterator, background=True):
+        self.checks -= 1
+        return self.checks < 0
+
+    def join(self):
+        pass
+
+
+def test_executions_cut_short_while_the_loop_compiles_do_not_end_the_probe():
+    """Found by a review: while the loop compiled, an epoch's last execution (cut to one step
+    by the epoch end) was fed to the tuner as a candidate cut short; 4 * window of them
+    settled the probe at 1 before any larger count ran."""
+    x, y = _data(40)  # 5 batches per epoch
+    model, state = _auto_model(
+        StepsPerExecutionTuner(window=3, min_window_seconds=0, warmup_executions=0)
+    )
+    model.fit(_dataset(x, y), epochs=1, verbose=0)  # builds the train function
+    state.tuner = StepsPerExecutionTuner(window=3, min_window_seconds=0, warmup_executions=0)
+    state.multi_step = _CompilingFor(checks=80)  # 16 epochs of 5 one-step executions
+    model.fit(_dataset(x, y), epochs=40, verbose=0)
+    assert ("settle", 1, "candidate cannot run in full") not in state.tuner.history
+    assert max(k for _, k in state.executions) > 1
+
+
 @pytest.mark.parametrize("horizon", ["epoch", "event"])
 def test_a_candidate_at_the_horizon_is_measured_and_the_probe_settles(horizon):
     """Executions that end at the epoch end or at a step event are measured too: before, a
