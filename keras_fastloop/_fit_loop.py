@@ -286,13 +286,15 @@ def _grouped(run, slots):
     state, model, iterator = run.auto, run.model, run.iterator
     accumulation = _accumulation(model)
     read_step = events.reads_optimizer_step(run.callbacks)
-    known_length = iterator.data_adapter.num_batches is not None
+    # Grouping needs the data's length and our variable-count train function (a train function
+    # Keras built before, e.g. while `run_eagerly` was on, runs one step whatever `k` says)
+    groupable = iterator.data_adapter.num_batches is not None and state.multi_step is not None
     num_batches = iterator.num_batches
     pending = None  # (steps, start time) of the execution yielded last, if it is measured
     for begin, end, data_iterator in slots:
         _observe(state, pending)
-        taken, last, gap, measured = 1, end, None, known_length
-        if known_length:
+        taken, last, gap, measured = 1, end, None, groupable
+        if groupable:
             limit = num_batches - begin if num_batches else None
             step = int(keras.ops.convert_to_numpy(model.optimizer.iterations)) if read_step else 0
             gap = events.batches_until_next_event(run.callbacks, step, begin, accumulation)

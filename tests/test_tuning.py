@@ -496,6 +496,53 @@ def test_executions_cut_short_while_the_loop_compiles_do_not_end_the_probe():
     assert max(k for _, k in state.executions) > 1
 
 
+def _fit_twice(model, x, y, eager_first):
+    for eager in (True, False) if eager_first else (False, True, False):
+        model.run_eagerly = eager
+        model.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False)
+
+
+@pytest.mark.parametrize("eager_first", [True, False])
+def test_run_eagerly_switched_between_fits_trains_like_one_step(eager_first):
+    """Found by a review: after a fit with `run_eagerly=True` Keras keeps the train function it
+    built then; with `run_eagerly=False` "auto" grouped steps that function ran one at a time
+    (113 optimizer steps instead of 200) and, with the background compile, crashed."""
+    x, y = _data(400)
+    reference = _model()
+    reference.compile(keras.optimizers.SGD(0.05), "sparse_categorical_crossentropy")
+    _fit_twice(reference, x, y, eager_first)
+    model, state = _auto_model(
+        StepsPerExecutionTuner(window=1, min_window_seconds=0, warmup_executions=0)
+    )
+    state.compile_in_background = True
+    _fit_twice(model, x, y, eager_first)
+    assert iterations(model) == iterations(reference) == (200 if eager_first else 300)
+    for a, b in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_auto_keeps_one_step_with_several_replicas():
+    """Keras 3.15's multi-step loop fails under MirroredStrategy (`keras.Model` with
+    `steps_per_execution=4` too; tests/test_interplay.py): "auto" is not tuned there."""
+    from _helpers import two_replica_strategy
+
+    strategy = two_replica_strategy()
+    x, y = _data(200)
+    with strategy.scope():
+        reference = _model()
+        reference.compile(keras.optimizers.SGD(0.05), "sparse_categorical_crossentropy")
+        model, state = _auto_model(
+            StepsPerExecutionTuner(window=1, min_window_seconds=0, warmup_executions=0)
+        )
+    assert not tuning._glue.tunable(model)
+    history_1 = reference.fit(_dataset(x, y), epochs=2, verbose=0).history
+    history = model.fit(_dataset(x, y), epochs=2, verbose=0).history
+    assert state.executions == [] and state.tuner.history == []  # never grouped nor measured
+    np.testing.assert_allclose(history["loss"], history_1["loss"], rtol=1e-6)
+    for a, b in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize("horizon", ["epoch", "event"])
 def test_a_candidate_at_the_horizon_is_measured_and_the_probe_settles(horizon):
     """Executions that end at the epoch end or at a step event are measured too: before, a

@@ -150,10 +150,20 @@ def steps_per_execution_tuner(model: keras.Model) -> StepsPerExecutionTuner | No
 
 
 def tunable(model):
-    """Whether `"auto"` may group steps: not under `run_eagerly` nor multi-worker."""
+    """Whether `"auto"` may group steps: not under `run_eagerly` nor with several replicas.
+
+    Multi-worker: workers timing differently could choose different counts. Several replicas
+    on one worker (`MirroredStrategy`): Keras 3.15's multi-step loop fails there ("You must
+    feed a value for placeholder tensor"), `keras.Model` with `steps_per_execution=4` too.
+    """
     from keras_fastloop._step import distributed
 
-    return not model.run_eagerly and not distributed.is_multi_worker(model.distribute_strategy)
+    strategy = model.distribute_strategy
+    return (
+        not model.run_eagerly
+        and not distributed.is_multi_worker(strategy)
+        and strategy.num_replicas_in_sync == 1
+    )
 
 
 def _variable_steps_function(model, step_function, state):
