@@ -35,10 +35,10 @@ class _MultiStepCompile:
     """Compiles the multi-step train function in the background while `fit` trains on.
 
     The first call of a `tf.function` traces it (Python) and then instantiates its graph:
-    grappler's optimizations and the executor's setup, in C++, without the GIL. For the
-    multi-step loop the second part is most of the cost (0.46 s of 0.54 s on the bench CNN,
-    AMD EPYC with AVX512_BF16, `docs/performance.md`), and without a warm-up the first
-    execution of more than one step pays all of it. Here the loop is traced on the main
+    grappler's optimizations and the executor's setup, in C++, without the GIL. The loop's
+    first call does not trace the step again, yet took 0.46-0.59 s on the bench CNN (AMD EPYC
+    with AVX512_BF16; about 0.28 s of it grappler's, `docs/performance.md`), all of it paid
+    by the first execution of more than one step. Here the loop is traced on the main
     thread (tracing reads Keras' thread-local state) and then called once in a background
     thread with an *empty* iterator of the same element spec: the same concrete function is
     instantiated, no batch is read and no step runs. Meanwhile the fit loop keeps running one

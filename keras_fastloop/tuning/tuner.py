@@ -83,8 +83,9 @@ class StepsPerExecutionTuner:
         max_steps: int >= initial, the largest count ever proposed. Defaults to `64`.
         growth_factor: int >= 2, candidate multiplier. Defaults to `4`: the gain of
             grouping comes from the host's per-execution overhead, so each doubling gains
-            less than the one before (about 5 % each from 1 to 8 on the bench CNN in bf16,
-            below a 5 % `min_gain` that 1 to 4 passes; `docs/performance.md`).
+            less than the one before (on the bench CNN in bf16 each doubling from 1 to 8
+            gained about 5 %, the size of `min_gain`, and 1 to 4 gained 5-24 % in three sweeps;
+            `docs/performance.md`).
         min_gain: float >= 0, relative throughput gain a larger count must bring.
             Defaults to `0.05`.
         window: int >= 1, the fewest executions in a measurement window. Defaults to `3`.
