@@ -328,11 +328,11 @@ def test_steps_until_next_event():
 # ------------------------------------------------------------------------------ compile / fit
 
 
-def _model(seed=0):
+def _model(seed=0, cls=OptimizedModel):
     keras.utils.set_random_seed(seed)
     inputs = keras.Input((8,))
     h = keras.layers.Dense(16, activation="relu")(inputs)
-    return OptimizedModel(inputs, keras.layers.Dense(3, activation="softmax")(h))
+    return cls(inputs, keras.layers.Dense(3, activation="softmax")(h))
 
 
 def _data(n=200, seed=1):
@@ -373,8 +373,8 @@ class _FakeClock:
         return 0.01 * next(self.counter)
 
 
-def _auto_model(tuner):
-    model = _model()
+def _auto_model(tuner, cls=OptimizedModel):
+    model = _model(cls=cls)
     model.compile(
         keras.optimizers.SGD(0.05),
         "sparse_categorical_crossentropy",
@@ -438,17 +438,11 @@ def test_the_multi_step_function_compiles_in_the_background_without_reading_data
     reference = _model()
     reference.compile(keras.optimizers.SGD(0.05), "sparse_categorical_crossentropy")
     history_1 = reference.fit(_dataset(x, y), epochs=4, verbose=0).history
-    keras.utils.set_random_seed(0)
-    inputs = keras.Input((8,))
-    h = keras.layers.Dense(16, activation="relu")(inputs)
-    model = Counting(inputs, keras.layers.Dense(3, activation="softmax")(h))
-    model.compile(
-        keras.optimizers.SGD(0.05), "sparse_categorical_crossentropy", steps_per_execution="auto"
+    model, state = _auto_model(
+        StepsPerExecutionTuner(window=1, min_window_seconds=0, warmup_executions=0), Counting
     )
-    state = model._fastloop_auto_spe
-    state.tuner = StepsPerExecutionTuner(window=1, min_window_seconds=0, warmup_executions=0)
-    state.clock = _FakeClock()
-    assert state.compile_in_background  # the default
+    assert tuning._glue._AutoState(None).compile_in_background  # the default
+    state.compile_in_background = True
     history = model.fit(_dataset(x, y), epochs=2, verbose=0).history
     # execution 0 traces, execution 1 closes the first window (k=1), the candidate 4 is due
     # next: the compile starts and execution 2 runs one step, not fed to the tuner
