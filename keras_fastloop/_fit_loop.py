@@ -152,15 +152,15 @@ def fit(model, keras_fit, args, kwargs):
         if run.iterator is not None:
             run.iterator.__dict__.pop("_enumerate_iterator", None)
         if auto is not None:
-            auto.k = 1
+            auto.k, auto.loop_wanted = 1, False
             if auto.multi_step is not None:
                 auto.multi_step.join()
 
 
 class _ExecutionClock(keras.callbacks.Callback):
     """Marks the end of each execution for `"auto"`, before any other callback's
-    `on_train_batch_end`, so that an event's work (a checkpoint, a validation) is not counted as
-    the execution's time."""
+    `on_train_batch_end`: an execution that ends at a step event is timed to here, so that the
+    event's work (a checkpoint, a validation) is not counted as the execution's time."""
 
     def __init__(self, state):
         super().__init__()
@@ -279,9 +279,11 @@ def _grouped(run, slots):
 
     `k = tuner.propose(min(batches to the epoch end, batches to the next step event))`; on
     data of unknown length `k = 1` (no batch is read before Keras would read it). Each
-    execution is timed from its slot to the first `on_train_batch_end` (`_ExecutionClock`),
-    the epoch's last one and one that ends at a step event included; one whose call traced a
-    function is left out.
+    execution is timed from its slot to Keras' request for the next slot, so the callbacks'
+    per-batch work, which grouping saves too, is part of it; one that ends at a step event is
+    timed to its first `on_train_batch_end` instead (`_ExecutionClock`: the event's work, a
+    checkpoint or a validation, is not the execution's), and one whose call traced a function
+    is left out.
     """
     state, model, iterator = run.auto, run.model, run.iterator
     accumulation = _accumulation(model)
@@ -290,10 +292,9 @@ def _grouped(run, slots):
     # Keras built before, e.g. while `run_eagerly` was on, runs one step whatever `k` says)
     groupable = iterator.data_adapter.num_batches is not None and state.multi_step is not None
     num_batches = iterator.num_batches
-    pending = None  # (steps, start time) of the execution yielded last, if it is measured
     for begin, end, data_iterator in slots:
-        _observe(state, pending)
         taken, last, gap, measured = 1, end, None, groupable
+        state.loop_wanted = False
         if groupable:
             limit = num_batches - begin if num_batches else None
             step = int(keras.ops.convert_to_numpy(model.optimizer.iterations)) if read_step else 0
@@ -301,10 +302,10 @@ def _grouped(run, slots):
             if gap is not None:
                 limit = gap if limit is None else min(limit, gap)
             k = state.tuner.propose(limit)
-            wants_loop = state.tuner.propose() > 1  # the count due, before the limit cuts it
-            if wants_loop and not state.multi_step.ready(
-                data_iterator, state.compile_in_background
-            ):
+            # the count due, before the limit cuts it: the train function starts compiling
+            # the loop at its next call if it is not ready
+            state.loop_wanted = state.tuner.propose() > 1
+            if state.loop_wanted and not state.multi_step.ready(data_iterator):
                 # compiling: one step, not what the tuner asked for (nor a cut-short candidate)
                 k, measured = 1, False
             while taken < k:
@@ -317,16 +318,18 @@ def _grouped(run, slots):
         state.executions.append((begin, taken))
         state.execution_end = None
         state.traced = False
-        pending = (taken, state.clock()) if measured else None
+        start = state.clock()
         yield begin, last, data_iterator
-    _observe(state, pending)  # the epoch's last execution: its callbacks have run
+        if measured:  # Keras asks for the next slot: this execution's callbacks have run
+            at_event = gap is not None and taken == gap
+            _observe(state, taken, start, state.execution_end if at_event else state.clock())
 
 
-def _observe(state, pending):
-    """Feeds the tuner the execution `pending` if it ran to its `on_train_batch_end` without
-    tracing a function."""
-    if pending is not None and state.execution_end is not None and not state.traced:
-        state.tuner.observe(pending[0], state.execution_end - pending[1])
+def _observe(state, steps, start, end):
+    """Feeds the tuner an execution of `steps` steps from `start` to `end` (clock readings) if
+    it ran to its `on_train_batch_end` without tracing a function."""
+    if state.execution_end is not None and not state.traced:
+        state.tuner.observe(steps, end - start)
 
 
 try:

@@ -28,12 +28,14 @@ def drive(tuner, seconds_for, executions, limit=None):
 
 
 def test_grows_while_it_pays_then_settles_at_the_cap():
-    tuner = StepsPerExecutionTuner(growth_factor=2, max_steps=16, window=2, min_window_seconds=0)
+    tuner = StepsPerExecutionTuner(
+        growth_factor=2, max_steps=16, window=2, min_window_seconds=0, overhead_tolerance=None
+    )
     # Fixed 10 ms per execution overhead + 1 ms per step: larger k always pays by > 5%.
     proposals = drive(tuner, lambda k, i: 0.010 + 0.001 * k, 40)
-    # warm-up, the first count alone, then each candidate (its first execution dropped: the
-    # first call of a count may trace) in turn with the best so far
-    assert proposals[:23] == [1, 1, 1] + [2, 2, 1, 2, 1] + [4, 4, 2, 4, 2] + [8, 8, 4, 8, 4] + [
+    # the warm-up, then each candidate in turn with the best so far; a count's first execution
+    # is dropped (the first call of a count may trace), the best's too (1 at 2, 3)
+    assert proposals[:21] == [2] + [2, 1, 1, 2, 1] + [4, 4, 2, 4, 2] + [8, 8, 4, 8, 4] + [
         16,
         16,
         8,
@@ -45,16 +47,65 @@ def test_grows_while_it_pays_then_settles_at_the_cap():
     assert max(proposals) == 16
 
 
+def test_the_cost_model_settles_where_the_overhead_share_is_within_tolerance():
+    """T(k) = a + b k with a = 2**-8 s, b = 2**-10 s (exact in binary). 4 against 1 pays
+    (rates 512 against 204.8 steps/s); the fitted a / T(k) <= 1/4 first at k = 3 a / b = 12."""
+    a, b = 2.0**-8, 2.0**-10
+    tuner = StepsPerExecutionTuner(
+        window=1, min_window_seconds=0, warmup_executions=0, overhead_tolerance=0.25
+    )
+    proposals = drive(tuner, lambda k, i: a + b * k, 4)
+    assert proposals == [4, 1, 12, 12]
+    assert tuner.phase == "settled" and tuner.steps == 12
+    assert tuner.history[:2] == [("probing", 4, pytest.approx(512.0)), ("settle", 12, "cost model")]
+    assert tuner.best_rate is None  # 12 was not measured: its first window is the reference
+    drive(tuner, lambda k, i: a + b * k, 1)
+    assert tuner.reference_rate == pytest.approx(12 / (a + 12 * b))
+
+
+def test_the_cost_model_keeps_an_execution_within_max_seconds():
+    """The same costs; T(k) <= 10 * 2**-10 s holds up to k = 6."""
+    a, b = 2.0**-8, 2.0**-10
+    tuner = StepsPerExecutionTuner(
+        window=1,
+        min_window_seconds=0,
+        warmup_executions=0,
+        overhead_tolerance=0.25,
+        max_seconds_per_execution=10 * b,
+    )
+    drive(tuner, lambda k, i: a + b * k, 2)
+    assert tuner.phase == "settled" and tuner.steps == 6
+
+
+def test_the_cost_model_takes_the_cap_when_time_does_not_grow_with_steps():
+    tuner = StepsPerExecutionTuner(max_steps=32, window=1, min_window_seconds=0, warmup_executions=0)
+    drive(tuner, lambda k, i: 0.01, 2)  # 4 steps take what 1 takes: b = 0
+    assert ("settle", 32, "cost model") in tuner.history and tuner.steps == 32
+
+
+def test_a_cap_at_the_first_count_settles_at_once():
+    assert StepsPerExecutionTuner(initial=4, max_steps=4).phase == "settled"
+    tuner = StepsPerExecutionTuner()
+    tuner.set_horizon(1)  # e.g. an event after every step
+    assert tuner.phase == "settled" and tuner.propose() == 1
+    assert tuner.history == [("settle", 1, "bound")]
+
+
 def test_settles_on_the_best_when_growth_stops_paying():
     tuner = StepsPerExecutionTuner(
-        growth_factor=2, window=1, min_window_seconds=0, warmup_executions=0, patience=2
+        growth_factor=2,
+        window=1,
+        min_window_seconds=0,
+        warmup_executions=0,
+        patience=2,
+        overhead_tolerance=None,
     )
     # Throughput improves up to k=4, then flat: 4 is the best; 8 and 16 do not pay.
     rate = {1: 100.0, 2: 180.0, 4: 300.0, 8: 305.0, 16: 306.0}
     proposals = drive(tuner, lambda k, i: k / rate[k], 12)
-    assert proposals[:9] == [1, 2, 1, 4, 2, 8, 4, 16, 4]
+    assert proposals[:8] == [2, 1, 4, 2, 8, 4, 16, 4]
     assert tuner.phase == "settled"
-    assert proposals[9:] == [4, 4, 4]
+    assert proposals[8:] == [4, 4, 4, 4]
     assert ("settle", 4, "no gain") in tuner.history
 
 
@@ -64,7 +115,7 @@ def test_falls_back_to_one_when_larger_counts_are_slower():
     )
     rate = {1: 100.0, 2: 90.0, 4: 80.0}
     proposals = drive(tuner, lambda k, i: k / rate[k], 7)
-    assert proposals == [1, 2, 1, 4, 1, 1, 1]
+    assert proposals == [2, 1, 4, 1, 1, 1, 1]
     assert tuner.steps == 1
 
 
@@ -80,7 +131,7 @@ def test_a_machine_that_speeds_up_during_the_probe_does_not_make_growth_look_pay
     proposals = drive(tuner, lambda k, i: 0.01 * k * 0.97**i, 16)
     assert tuner.phase == "settled" and tuner.steps == 1
     assert ("settle", 1, "no gain") in tuner.history
-    assert proposals[3:9] == [2, 1, 2, 1, 2, 1]
+    assert proposals[:6] == [2, 1, 2, 1, 2, 1]
 
 
 def test_one_disturbed_window_of_the_best_does_not_make_growth_look_paying():
@@ -97,15 +148,15 @@ def test_warmup_observation_is_dropped():
     tuner = StepsPerExecutionTuner(
         growth_factor=2, window=1, min_window_seconds=0, warmup_executions=1
     )
-    tuner.observe(1, 100.0)  # tracing: absurdly slow, must not count
+    assert tuner.propose() == 2
+    tuner.observe(2, 100.0)  # tracing: absurdly slow, must not count
+    assert tuner.propose() == 2
+    tuner.observe(2, 0.01)
+    assert tuner.propose() == 1
+    tuner.observe(1, 100.0)  # the first call of a new count: dropped as well
     assert tuner.history == []
     tuner.observe(1, 0.01)
-    assert tuner.history == [("probing", 1, pytest.approx(100.0))]
-    assert tuner.propose() == 2
-    tuner.observe(2, 100.0)  # the first call of a new count: dropped as well
-    tuner.observe(2, 0.01)
-    tuner.observe(1, 0.01)
-    assert tuner.history[-1] == ("probing", 2, pytest.approx(200.0))
+    assert tuner.history[0] == ("probing", 2, pytest.approx(200.0))
 
 
 def test_retunes_when_throughput_drifts():
@@ -119,11 +170,12 @@ def test_retunes_when_throughput_drifts():
     )
     drive(tuner, lambda k, i: 0.01 + 0.001 * k, 6)
     assert tuner.phase == "settled" and tuner.steps == 4
+    assert ("settle", 4, "cost model") in tuner.history  # 2 paid: the cost model picks the cap
     # The machine gets 3x slower: two drifting windows in a row trigger a new probe.
     drive(tuner, lambda k, i: 3 * (0.01 + 0.001 * k), 2)
     assert tuner.phase == "probing"
     assert any(entry[0] == "retune" for entry in tuner.history)
-    assert tuner.steps == 2  # probes again from chosen // growth_factor
+    assert (tuner.best_steps, tuner.steps) == (2, 4)  # probes again from chosen // growth
     drive(tuner, lambda k, i: 3 * (0.01 + 0.001 * k), 6)
     assert tuner.phase == "settled" and tuner.steps == 4
 
@@ -168,9 +220,13 @@ def test_does_not_grow_past_max_seconds_per_execution():
 
 def test_executions_cut_short_are_not_measurements_and_end_the_probe():
     tuner = StepsPerExecutionTuner(
-        growth_factor=2, window=1, min_window_seconds=0, warmup_executions=0
+        growth_factor=2,
+        window=1,
+        min_window_seconds=0,
+        warmup_executions=0,
+        overhead_tolerance=None,
     )
-    drive(tuner, lambda k, i: 0.01, 3)  # k=1, then k=2 against k=1: pays
+    drive(tuner, lambda k, i: 0.01, 2)  # k=2 against k=1: pays
     assert tuner.steps == 4
     drive(tuner, lambda k, i: 0.01, 4, limit=3)  # 4 never runs in full
     assert tuner.phase == "settled"
@@ -183,15 +239,13 @@ def test_a_window_spans_min_window_seconds_of_executions():
     tuner = StepsPerExecutionTuner(
         growth_factor=2, window=2, min_window_seconds=1 / 8, warmup_executions=0
     )
-    drive(tuner, lambda k, i: step * k, 7)
-    assert tuner.history == []  # 7 executions of 1/64 s < 1/8 s
-    drive(tuner, lambda k, i: step * k, 1)
-    assert tuner.history == [("probing", 1, pytest.approx(64.0))]
     # strict alternation until the candidate's window holds 1/8 s: 4 executions of 2 steps,
     # each paired with one of 1 step (the best's window needs `window` executions, not time)
-    proposals = drive(tuner, lambda k, i: step * k, 8)
+    proposals = drive(tuner, lambda k, i: step * k, 7)
+    assert tuner.history == []  # 2 pairs would fill `window`; 3 candidates hold 3/32 s < 1/8 s
+    proposals += drive(tuner, lambda k, i: step * k, 1)
     assert proposals == [2, 1] * 4
-    assert tuner.history[-1] == ("probing", 2, pytest.approx(64.0))
+    assert tuner.history == [("probing", 2, pytest.approx(64.0))]
     assert tuner.phase == "probing" and tuner.steps == 4  # equal rates: a miss, patience left
 
 
@@ -199,11 +253,9 @@ def test_the_time_bound_of_a_paired_window_is_on_the_candidate():
     """1 ms steps, a 0.25 s window: pairing 4 with 1 takes 63 pairs (0.25 s of 4-step
     executions), not the 250 pairs (1.25 s) that 0.25 s of 1-step executions would take."""
     tuner = StepsPerExecutionTuner(window=3, min_window_seconds=0.25, warmup_executions=0)
-    drive(tuner, lambda k, i: 0.001 * k, 250)  # k=1 alone
-    assert len(tuner.history) == 1
     proposals = drive(tuner, lambda k, i: 0.001 * k, 2 * 63)
     assert proposals == [4, 1] * 63
-    assert tuner.history[-1][:2] == ("probing", 4)
+    assert tuner.history == [("probing", 4, pytest.approx(1000.0))]
 
 
 def test_one_slow_execution_does_not_decide_a_window():
@@ -212,12 +264,10 @@ def test_one_slow_execution_does_not_decide_a_window():
     tuner = StepsPerExecutionTuner(
         growth_factor=2, window=3, min_window_seconds=0.25, warmup_executions=0
     )
-    drive(tuner, lambda k, i: 0.001 * k, 250)  # k=1 alone: 250 executions of 1 ms
-    assert tuner.history == [("probing", 1, pytest.approx(1000.0))]
     tuner.observe(2, 0.5)  # the candidate's first execution: slow
     proposals = drive(tuner, lambda k, i: 0.001 * k, 5)
     assert proposals == [1, 2, 1, 2, 1]  # three pairs
-    assert tuner.history[1][:2] == ("probing", 2)
+    assert tuner.history == [("probing", 2, pytest.approx(1000.0))]
     assert tuner.best_steps == 1 and tuner._misses == 1  # equal rates on the median: a miss
     drive(tuner, lambda k, i: 0.001 * k, 1500)
     assert ("settle", 1, "no gain") in tuner.history  # 1 ms per step at every count
@@ -226,7 +276,11 @@ def test_one_slow_execution_does_not_decide_a_window():
 def test_open_windows_carry_over_to_the_next_fit():
     """`fit` called once per epoch, each call shorter than a window: the probe still ends."""
     tuner = StepsPerExecutionTuner(
-        growth_factor=2, window=3, min_window_seconds=0, warmup_executions=1
+        growth_factor=2,
+        window=3,
+        min_window_seconds=0,
+        warmup_executions=1,
+        overhead_tolerance=None,
     )
     rate = {1: 100.0, 2: 180.0, 4: 300.0, 8: 310.0, 16: 312.0}
     for _ in range(40):  # 40 `fit` calls of 3 executions each (the first is the warm-up)
@@ -277,8 +331,7 @@ def test_cut_short_and_non_finite_executions_are_not_measurements():
     tuner = StepsPerExecutionTuner(
         growth_factor=2, window=1, min_window_seconds=0, warmup_executions=0
     )
-    drive(tuner, lambda k, i: 0.01, 1)  # k=1 measured: k=2 is the candidate
-    assert tuner._pairing and tuner._due() == 2
+    assert tuner._pairing and tuner._due() == 2  # k=2 is the first candidate
     tuner.observe(1, float("inf"))
     tuner.observe(1, float("nan"))
     # the candidate cut to the best's count by a limit, over several fits
@@ -407,6 +460,32 @@ def test_periodic_validation_fires_at_exact_steps_with_auto():
         done += k
 
 
+def test_the_per_batch_work_of_callbacks_counts_as_execution_overhead():
+    """A callback's `on_train_batch_end` costs 10 ms per execution, a step 1 ms (fake time):
+    grouping saves the callback's calls, so it pays. Timed only to the first
+    `on_train_batch_end`, every count cost 1 ms per step and the probe settled at 1."""
+
+    class Clock:
+        t = 0.0
+
+        def __call__(self):
+            return self.t
+
+    x, y = _data(200)  # 25 batches per epoch
+    model, state = _auto_model(StepsPerExecutionTuner(window=2, min_window_seconds=0))
+    clock = state.clock = Clock()
+
+    class Costs(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            clock.t += 0.001 * state.k  # the steps
+
+        def on_train_batch_end(self, batch, logs=None):
+            clock.t += 0.010  # e.g. a progress bar's or a logger's work
+
+    model.fit(_dataset(x, y), epochs=4, callbacks=[Costs()], verbose=0)
+    assert ("settle", 25, "cost model") in state.tuner.history  # 25: the epoch, the cap
+
+
 def test_auto_trains_exactly_like_one_step_per_execution():
     x, y = _data(200)
     reference = _model()
@@ -444,12 +523,12 @@ def test_the_multi_step_function_compiles_in_the_background_without_reading_data
     assert tuning._glue._AutoState(None).compile_in_background  # the default
     state.compile_in_background = True
     history = model.fit(_dataset(x, y), epochs=2, verbose=0).history
-    # execution 0 traces, execution 1 closes the first window (k=1), the candidate 4 is due
-    # next: the compile starts and execution 2 runs one step, not fed to the tuner
-    assert state.executions[:3] == [(0, 1), (1, 1), (2, 1)]
+    # the candidate 4 is due from the start: the train function's first call starts the
+    # compile, and executions run one step, not fed to the tuner, until it is done
+    assert state.executions[0] == (0, 1)
     # fed to the tuner, one-step executions while 4 is due would soon have ended the probe
     # ("candidate cannot run in full" after 4 of them)
-    assert all(entry[0] != "settle" for entry in state.tuner.history)
+    assert all(entry[2] != "candidate cannot run in full" for entry in state.tuner.history)
     assert not state.multi_step._thread.is_alive()  # joined at the end of `fit`
     history_2 = model.fit(_dataset(x, y), epochs=2, verbose=0).history
     assert max(k for _, k in state.executions) > 1  # compiled: grouped from the start
@@ -466,7 +545,10 @@ class _CompilingFor:
     def __init__(self, checks):
         self.checks = checks
 
-    def ready(self, iterator, background=True):
+    def start(self, iterator, background=True):
+        pass
+
+    def ready(self, iterator):
         self.checks -= 1
         return self.checks < 0
 
@@ -551,7 +633,10 @@ def test_a_candidate_at_the_horizon_is_measured_and_the_probe_settles(horizon):
         callbacks[0].steps_until_next_event = lambda step: 2 - step % 2
     model.fit(_dataset(x, y), epochs=30, callbacks=callbacks, verbose=0)
     assert state.tuner.phase == "settled"
-    assert state.tuner.steps == (4 if horizon == "epoch" else 2)
+    # the fake clock: every execution takes 10 ms, so the cost model chooses the cap (4, the
+    # epoch); the events cut each execution to 2 steps
+    assert state.tuner.steps == 4
+    assert [k for _, k in state.executions[-10:]] == [4 if horizon == "epoch" else 2] * 10
 
 
 def test_a_loop_of_short_fits_finishes_the_probe():

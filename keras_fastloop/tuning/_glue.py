@@ -28,6 +28,7 @@ class _AutoState:
         self.execution_clock = None  # the fit loop's callback that sets it
         self.executions = []  # (begin_step, steps) of the current fit, for tests and reports
         self.multi_step = None  # the `_MultiStepCompile` of the current train function
+        self.loop_wanted = False  # the tuner asks for more than one step: compile the loop
         self.compile_in_background = True  # False: compile when first needed (tests)
 
 
@@ -41,9 +42,11 @@ class _MultiStepCompile:
     by the first execution of more than one step. Here the loop is traced on the main
     thread (tracing reads Keras' thread-local state) and then called once in a background
     thread with an *empty* iterator of the same element spec: the same concrete function is
-    instantiated, no batch is read and no step runs. Meanwhile the fit loop keeps running one
-    step per execution. Under a distribution strategy (a `DistributedIterator`) the loop is
-    compiled by its first call, as without the warm-up.
+    instantiated, no batch is read and no step runs. The train function starts this at its
+    first call when the tuner wants more than one step (from the start: it probes at once),
+    so the loop compiles on the core the one-step function's own first compile leaves idle.
+    Meanwhile the fit loop runs one step per execution. Under a distribution strategy (a
+    `DistributedIterator`) the loop is compiled by its first call, as without the warm-up.
     """
 
     def __init__(self, multi_step_function):
@@ -51,27 +54,34 @@ class _MultiStepCompile:
         self._started = False
         self._thread = None
 
-    def ready(self, iterator, background=True):
-        """Whether an execution of more than one step can run without compiling first.
+    def start(self, iterator, background=True):
+        """Starts the compile, once (tracing happens here, on the calling thread).
 
-        The first call starts the compile (tracing happens here, on the calling thread).
+        Args:
+            iterator: the data iterator of the train function's call.
+            background: bool, compile in a background thread (else here, before returning).
+                Defaults to `True`.
+        """
+        if self._started or not isinstance(iterator, tf.data.Iterator):
+            return
+        self._started = True
+        self._thread = self._start(iterator)
+        if not background:
+            self.join()
+
+    def ready(self, iterator):
+        """Whether an execution of more than one step can run without compiling first.
 
         Args:
             iterator: the data iterator the execution would read.
-            background: bool, compile in a background thread (else here, before returning
-                `True`). Defaults to `True`.
 
         Returns:
-            bool.
+            bool: the compile ran to its end, or there is none to wait for (not a
+            `tf.data.Iterator`).
         """
         if not isinstance(iterator, tf.data.Iterator):
             return True
-        if not self._started:
-            self._started = True
-            self._thread = self._start(iterator)
-            if not background:
-                self.join()
-        return self._thread is None or not self._thread.is_alive()
+        return self._started and (self._thread is None or not self._thread.is_alive())
 
     def _start(self, iterator):
         steps = tf.constant(2, tf.int32)
@@ -246,6 +256,8 @@ def _variable_steps_function(model, step_function, state):
         if isinstance(iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)):
             before = traces()
             try:
+                if state.loop_wanted:
+                    state.multi_step.start(iterator, state.compile_in_background)
                 if state.k == 1:
                     return one_step_on_iterator(iterator)
                 optional = multi_step_on_iterator(iterator, tf.constant(state.k, tf.int32))

@@ -61,21 +61,27 @@ class StepsPerExecutionTuner:
     executions, paired one to one); a window left open when a `fit` ends carries over to the
     next `fit`. Phases:
 
-    - `"probing"`: the first window measures `initial` alone (median of steps/second). Each
-      larger candidate (`growth_factor` times the last) is then measured *in strict
-      alternation with the best count so far* (candidate, best, candidate, best, ..., until
-      both windows are full), and it becomes the best only if the median of the ratios of
-      each candidate execution's rate to that of the best execution paired with it exceeds
-      `1 + min_gain`: a drift of the machine during the probe, or a new `fit` on other data,
-      hits both sides of a pair alike, so it cannot make a larger count look faster than it
-      is. After `patience` candidates in a
+    - `"probing"`: each candidate larger than the best count so far (`growth_factor` times
+      it; first `initial * growth_factor` against `initial`) is measured *in strict
+      alternation with the best count* (candidate, best, candidate, best, ..., until both
+      windows are full), and it pays only if the median of the ratios of each candidate
+      execution's rate to that of the best execution paired with it exceeds `1 + min_gain`:
+      a drift of the machine during the probe, or a new `fit` on other data, hits both sides
+      of a pair alike, so it cannot make a larger count look faster than it is. When a
+      candidate pays, the cost model `T(k) = a + b * k` (`a` seconds of host work per
+      execution, `b` seconds per step; the alpha-beta model of Hockney, 1994) is fitted to the
+      two paired medians, and the tuner settles on the smallest count whose predicted
+      overhead share `a / T(k)` is at most `overhead_tolerance` (at least the candidate)
+      instead of growing rung by rung (`overhead_tolerance=None`: the candidate becomes the
+      best and the next one is `growth_factor` times it). After `patience` candidates in a
       row that do not pay, or when the next candidate would pass the cap (`max_steps` and the
       horizon set with `set_horizon`) or one execution already takes
       `max_seconds_per_execution`, it settles on the best. Observations of other step counts
       (executions cut short by an event or an epoch end) are not measurements; after
       `4 * window` of them in a row it settles on the best so far.
     - `"settled"`: it keeps measuring the chosen count in windows; when `drift_windows`
-      windows in a row differ from the rate it settled with by more than `drift_tolerance`
+      windows in a row differ from the rate it settled with (its first window at the chosen
+      count, when the cost model chose a count not measured) by more than `drift_tolerance`
       (a fraction), it probes again from `chosen // growth_factor` (at least `initial`).
 
     Args:
@@ -101,24 +107,33 @@ class StepsPerExecutionTuner:
         drift_windows: int >= 1, drifting windows in a row that trigger re-tuning. Defaults to
             `2`.
         max_seconds_per_execution: float > 0, no growth once an execution takes this long
-            (keeps progress and interrupts responsive). Defaults to `1.0`.
+            (keeps progress and interrupts responsive); the cost model's count is capped so
+            that `T(k)` stays within it. Defaults to `1.0`.
+        overhead_tolerance: float in (0, 1) or `None`, the share of an execution's time the
+            per-execution overhead may keep at the count the cost model chooses. Defaults to
+            `0.005`: on the bench CNN in bf16 (Zen 5 EPYC) the fit of 4 against 1 put the
+            overhead at 0.08-0.26 of a step, yet 23 steps per execution ran faster than 4 to 8;
+            at `0.005` the model chose 16-23 (the epoch) in 4 of 5 runs, one paired window
+            after the start instead of three rungs (`docs/performance.md`). `None`: no cost
+            model.
 
     Raises:
         ValueError: an argument out of range.
 
     Example:
         >>> tuner = StepsPerExecutionTuner(warmup_executions=0, window=1, min_window_seconds=0)
-        >>> tuner.propose()
-        1
-        >>> tuner.observe(1, 0.010)           # 100 steps/s at k=1
         >>> tuner.propose()                   # the candidate, then the best, in turn
         4
         >>> tuner.observe(4, 0.020)           # 200 steps/s at k=4
         >>> tuner.propose()
         1
-        >>> tuner.observe(1, 0.010)           # 100 steps/s at k=1 meanwhile: 4 pays, grow
-        >>> tuner.propose()
-        16
+        >>> tuner.observe(1, 0.010)           # 100 steps/s at k=1 meanwhile: 4 pays
+        >>> tuner.phase, tuner.propose()      # T(k) = 6.7 ms + 3.3 ms * k: the cap, 64
+        ('settled', 64)
+
+    Reference: Hockney, "The communication challenge for MPP: Intel Paragon and Meiko CS-2",
+    Parallel Computing 20(3), 1994 (the alpha-beta cost model: a fixed cost per call plus a
+    cost per item).
 
     Reference: Keras 2.13 `StepsPerExecutionTuner` (grow while the rate improves, measured
     over intervals of wall time).
@@ -137,6 +152,7 @@ class StepsPerExecutionTuner:
         drift_tolerance: float = 0.3,
         drift_windows: int = 2,
         max_seconds_per_execution: float = 1.0,
+        overhead_tolerance: float | None = 0.005,
     ) -> None:
         check_int, check_real = _validation.check_int, _validation.check_real
         self.initial = check_int("initial", initial, minimum=1)
@@ -162,10 +178,18 @@ class StepsPerExecutionTuner:
             minimum=0.0,
             exclusive_minimum=True,
         )
+        self.overhead_tolerance = check_real(
+            "overhead_tolerance",
+            overhead_tolerance,
+            minimum=0.0,
+            maximum=1.0,
+            exclusive_minimum=True,
+            exclusive_maximum=True,
+            allow_none=True,
+        )
         self.horizon = None
         self.phase = "probing"
-        self.candidate = self.initial
-        self.best_steps = self.initial
+        self.candidate = self.best_steps = self.initial
         self.best_rate = None
         self.reference_rate = None
         self.history = []  # (phase, steps, median steps/s) per finished window; "retune"/"settle"
@@ -178,6 +202,7 @@ class StepsPerExecutionTuner:
         self._misses = 0
         self._off_size = 0
         self._drifts = 0
+        self._probe_from(self.initial)
         self.begin()
 
     # -- inputs ----------------------------------------------------------------------------
@@ -215,6 +240,8 @@ class StepsPerExecutionTuner:
             self.best_rate = self.reference_rate = None
         self.candidate = min(self.candidate, cap)
         self.best_steps = min(self.best_steps, cap)
+        if self.phase == "probing" and self.candidate == self.best_steps:
+            self._settle(reason="bound")  # no larger count fits under the cap
 
     @property
     def cap(self) -> int:
@@ -229,8 +256,9 @@ class StepsPerExecutionTuner:
 
     @property
     def _pairing(self):
-        """Whether a candidate is being measured in alternation with the best count."""
-        return self.phase == "probing" and self.candidate != self.best_steps
+        """Whether a candidate is being measured in alternation with the best count (always,
+        while probing)."""
+        return self.phase == "probing"
 
     def _due(self):
         """The count the next execution should run: while pairing, candidate and best in turn."""
@@ -296,15 +324,14 @@ class StepsPerExecutionTuner:
         if self._pairing and len(self._best_rates) < len(self._rates):
             return  # strict alternation: the best's execution paired with the last candidate's
         rate = statistics.median(self._rates)
-        gain = None
+        seconds = statistics.median(self._seconds)
         if self._pairing:
             gain = statistics.median(c / b for c, b in zip(self._rates, self._best_rates))
-            self.best_rate = statistics.median(self._best_rates)
-        seconds_per_execution = statistics.median(self._seconds)
+            best = (statistics.median(self._best_rates), statistics.median(self._best_seconds))
         self._clear_windows()
         self.history.append((self.phase, self.candidate, rate))
         if self.phase == "probing":
-            self._probe_decision(rate, gain, seconds_per_execution)
+            self._probe_decision(rate, seconds, gain, *best)
         else:
             self._drift_check(rate)
 
@@ -316,10 +343,20 @@ class StepsPerExecutionTuner:
 
     # -- decisions --------------------------------------------------------------------------
 
-    def _probe_decision(self, rate, gain, seconds_per_execution):
-        """`rate`: the candidate's median rate; `gain`: the median ratio of its rates to the
-        paired best's (`None` while the first count is measured alone)."""
-        if gain is None or gain > 1.0 + self.min_gain:
+    def _probe_decision(self, rate, seconds, gain, best_rate, best_seconds):
+        """`rate`, `seconds`: the candidate's median steps/s and seconds per execution;
+        `gain`: the median ratio of its rates to the paired best's; `best_rate`,
+        `best_seconds`: the best's medians."""
+        self.best_rate = best_rate
+        if gain > 1.0 + self.min_gain:
+            if self.overhead_tolerance is not None:
+                chosen = self._cost_model_count(
+                    (self.best_steps, best_seconds), (self.candidate, seconds)
+                )
+                self.best_steps = chosen
+                self.best_rate = rate if chosen == self.candidate else None  # not measured
+                self._settle(reason="cost model")
+                return
             self.best_steps, self.best_rate = self.candidate, rate
             self._misses = 0
         else:
@@ -328,10 +365,36 @@ class StepsPerExecutionTuner:
                 self._settle(reason="no gain")
                 return
         grown = min(self.candidate * self.growth_factor, self.cap)
-        if grown <= self.candidate or seconds_per_execution >= self.max_seconds_per_execution:
+        if grown <= self.candidate or seconds >= self.max_seconds_per_execution:
             self._settle(reason="bound")
             return
         self.candidate = grown
+
+    def _probe_from(self, best):
+        """Starts probing: `best` is the count to beat, the candidate `growth_factor` times it."""
+        self.phase = "probing"
+        self.best_steps, self.best_rate = min(best, self.cap), None
+        self.candidate = min(self.best_steps * self.growth_factor, self.cap)
+        self._clear_windows()
+        self._drifts = self._misses = 0
+        if self.candidate <= self.best_steps:
+            self._settle(reason="bound")
+
+    def _cost_model_count(self, best, candidate):
+        """The count where the fitted `T(k) = a + b * k` puts the overhead share `a / T(k)` at
+        `overhead_tolerance`, within the cap and `max_seconds_per_execution`, at least the
+        candidate's. `best`, `candidate`: `(steps, median seconds per execution)`."""
+        (k1, t1), (k2, t2) = best, candidate
+        per_step = (t2 - t1) / (k2 - k1)
+        overhead = t1 - per_step * k1
+        if per_step <= 0:  # no measurable cost per step: only the overhead counts
+            return self.cap
+        if overhead <= 0:  # the gain was not the overhead's (noise): no extrapolation
+            return k2
+        tolerance = self.overhead_tolerance
+        wanted = math.ceil(overhead * (1 - tolerance) / (per_step * tolerance) - 1e-9)
+        in_time = math.floor((self.max_seconds_per_execution - overhead) / per_step)
+        return max(k2, min(wanted, in_time, self.cap))
 
     def _settle(self, reason):
         self.phase = "settled"
@@ -353,12 +416,7 @@ class StepsPerExecutionTuner:
             self._drifts = 0
         if self._drifts >= self.drift_windows:
             self.history.append(("retune", self.candidate, rate))
-            self.phase = "probing"
-            self.candidate = min(max(self.initial, self.candidate // self.growth_factor), self.cap)
-            self.best_steps, self.best_rate = self.candidate, None
-            self._clear_windows()
-            self._drifts = 0
-            self._misses = 0
+            self._probe_from(max(self.initial, self.candidate // self.growth_factor))
 
     def get_config(self) -> dict[str, Any]:
         """The constructor arguments, as a dict."""
@@ -374,4 +432,5 @@ class StepsPerExecutionTuner:
             "drift_tolerance": self.drift_tolerance,
             "drift_windows": self.drift_windows,
             "max_seconds_per_execution": self.max_seconds_per_execution,
+            "overhead_tolerance": self.overhead_tolerance,
         }
