@@ -78,7 +78,9 @@ def test_the_cost_model_keeps_an_execution_within_max_seconds():
 
 
 def test_the_cost_model_takes_the_cap_when_time_does_not_grow_with_steps():
-    tuner = StepsPerExecutionTuner(max_steps=32, window=1, min_window_seconds=0, warmup_executions=0)
+    tuner = StepsPerExecutionTuner(
+        max_steps=32, window=1, min_window_seconds=0, warmup_executions=0
+    )
     drive(tuner, lambda k, i: 0.01, 2)  # 4 steps take what 1 takes: b = 0
     assert ("settle", 32, "cost model") in tuner.history and tuner.steps == 32
 
