@@ -85,7 +85,8 @@ class StepsPerExecutionTuner:
       (a fraction), it probes again from `chosen // growth_factor` (at least `initial`).
 
     Args:
-        initial: int >= 1, the first candidate. Defaults to `1`.
+        initial: int >= 1, the first best count (the first candidate is paired with it).
+            Defaults to `1`.
         max_steps: int >= initial, the largest count ever proposed. Defaults to `64`.
         growth_factor: int >= 2, candidate multiplier. Defaults to `4`: the gain of
             grouping comes from the host's per-execution overhead, so each doubling gains
@@ -96,8 +97,8 @@ class StepsPerExecutionTuner:
             Defaults to `0.05`.
         window: int >= 1, the fewest executions in a measurement window. Defaults to `3`.
         min_window_seconds: float >= 0, the least wall time (seconds) of the executions in a
-            measurement window. Defaults to `0.25` (on a 30 ms step, 9 executions at one
-            step each).
+            measurement window (while pairing, of the candidate's). Defaults to `0.25` (on a
+            6 ms step, about 10 pairs of 4 and 1 steps).
         warmup_executions: int >= 0, observations dropped after `begin`. Defaults to
             `1`.
         patience: int >= 1, non-paying candidates in a row before settling. Defaults to `2`
@@ -131,12 +132,10 @@ class StepsPerExecutionTuner:
         >>> tuner.phase, tuner.propose()      # T(k) = 6.7 ms + 3.3 ms * k: the cap, 64
         ('settled', 64)
 
-    Reference: Hockney, "The communication challenge for MPP: Intel Paragon and Meiko CS-2",
-    Parallel Computing 20(3), 1994 (the alpha-beta cost model: a fixed cost per call plus a
-    cost per item).
-
-    Reference: Keras 2.13 `StepsPerExecutionTuner` (grow while the rate improves, measured
-    over intervals of wall time).
+    References: Keras 2.13 `StepsPerExecutionTuner` (grow while the rate improves, measured
+    over intervals of wall time); Hockney, "The communication challenge for MPP: Intel
+    Paragon and Meiko CS-2", Parallel Computing 20(3), 1994 (the alpha-beta cost model: a
+    fixed cost per call plus a cost per item).
     """
 
     def __init__(
