@@ -85,6 +85,15 @@ def test_the_cost_model_takes_the_cap_when_time_does_not_grow_with_steps():
     assert ("settle", 32, "cost model") in tuner.history and tuner.steps == 32
 
 
+def test_timings_beyond_the_float_range_do_not_break_the_cost_model():
+    """Found by a review: the median of two executions of 1e308 s is inf, and the fitted
+    per-step time NaN (`math.ceil(nan)` raised inside `fit`). Without a finite fit the tuner
+    keeps the candidate that paid."""
+    tuner = StepsPerExecutionTuner(window=2, min_window_seconds=0, warmup_executions=0)
+    drive(tuner, lambda k, i: 1.5e308 if k == 4 else 1e308, 4)  # each pair: 4 pays 2.7x
+    assert tuner.history[-1] == ("settle", 4, "cost model")
+
+
 def test_a_cap_at_the_first_count_settles_at_once():
     assert StepsPerExecutionTuner(initial=4, max_steps=4).phase == "settled"
     tuner = StepsPerExecutionTuner()

@@ -386,14 +386,18 @@ class StepsPerExecutionTuner:
         (k1, t1), (k2, t2) = best, candidate
         per_step = (t2 - t1) / (k2 - k1)
         overhead = t1 - per_step * k1
+        if not (math.isfinite(per_step) and math.isfinite(overhead)):
+            return k2  # timings beyond float range: no extrapolation
         if per_step <= 0:  # no measurable cost per step: only the overhead counts
             return self.cap
         if overhead <= 0:  # the gain was not the overhead's (noise): no extrapolation
             return k2
-        tolerance = self.overhead_tolerance
-        wanted = math.ceil(overhead * (1 - tolerance) / (per_step * tolerance) - 1e-9)
-        in_time = math.floor((self.max_seconds_per_execution - overhead) / per_step)
-        return max(k2, min(wanted, in_time, self.cap))
+        tolerance, cap = self.overhead_tolerance, self.cap
+        denominator = per_step * tolerance  # > 0 unless it underflows
+        wanted = overhead * (1 - tolerance) / denominator if denominator > 0 else math.inf
+        in_time = (self.max_seconds_per_execution - overhead) / per_step
+        chosen = min(math.ceil(min(wanted, cap) - 1e-9), math.floor(min(in_time, cap)))
+        return max(k2, chosen)
 
     def _settle(self, reason):
         self.phase = "settled"
