@@ -99,7 +99,39 @@ def test_a_cap_at_the_first_count_settles_at_once():
     tuner = StepsPerExecutionTuner()
     tuner.set_horizon(1)  # e.g. an event after every step
     assert tuner.phase == "settled" and tuner.propose() == 1
-    assert tuner.history == [("settle", 1, "bound")]
+    assert tuner.history == [("settle", 1, "cap")]
+
+
+def test_a_count_the_cap_chose_is_revisited_when_the_cap_rises():
+    """Found by a review: a first `fit` with one batch per epoch settled the tuner at 1 for
+    every later `fit`."""
+    tuner = StepsPerExecutionTuner(window=1, min_window_seconds=0, warmup_executions=0)
+    tuner.set_horizon(1)
+    tuner.set_horizon(None)  # the next fit: 50 batches per epoch
+    assert tuner.phase == "probing" and (tuner.best_steps, tuner.steps) == (1, 4)
+    # a cost model capped at 8 computes its count again for the new cap, without measuring
+    a, b = 2.0**-8, 2.0**-10
+    tuner = StepsPerExecutionTuner(
+        window=1, min_window_seconds=0, warmup_executions=0, overhead_tolerance=0.25
+    )
+    tuner.set_horizon(8)
+    drive(tuner, lambda k, i: a + b * k, 2)
+    assert tuner.phase == "settled" and tuner.steps == 8  # the model wanted 12
+    tuner.set_horizon(None)
+    assert tuner.phase == "settled" and tuner.steps == 12
+    assert tuner.history[-1] == ("settle", 12, "cost model")
+    tuner.set_horizon(5)  # lower: capped as before, and raised again
+    assert tuner.propose() == 5
+    tuner.set_horizon(100)
+    assert tuner.propose() == 12
+
+
+def test_without_a_per_step_cost_the_count_still_respects_max_seconds():
+    """Found by a review: 4 steps in 0.5 s, 1 step in 0.51 s settled at 64 (32 s executions).
+    The candidate's 0.125 s per step bounds the count at 1 s / 0.125 s = 8."""
+    tuner = StepsPerExecutionTuner(window=1, min_window_seconds=0, warmup_executions=0)
+    drive(tuner, lambda k, i: 0.5 if k == 4 else 0.51, 2)
+    assert tuner.history[-1] == ("settle", 8, "cost model")
 
 
 def test_settles_on_the_best_when_growth_stops_paying():
@@ -213,7 +245,7 @@ def test_bounds_limit_horizon_and_max_steps():
     assert tuner.propose() == 5
     assert tuner.propose(limit=2) == 2
     tuner.set_horizon(None)
-    assert tuner.propose() == 5  # the choice was capped; it is not raised again by itself
+    assert tuner.propose() == 8  # the cap had chosen 5: the cost model's count comes back
 
 
 def test_does_not_grow_past_max_seconds_per_execution():
@@ -306,8 +338,9 @@ def test_a_new_fit_on_other_data_does_not_make_growth_look_paying():
     tuner = StepsPerExecutionTuner(
         growth_factor=2, window=3, min_window_seconds=0, warmup_executions=0
     )
-    drive(tuner, lambda k, i: 0.001 * k, 4)  # k=1 alone, then k=2's first (dropped) execution
-    drive(tuner, lambda k, i: 0.001 * k, 3)  # fit A: 1000 steps/s at every count
+    # fit A, 1000 steps/s at every count: 2, 1, 2, 1, 2, 1 (2 does not pay), then 4, whose
+    # paired execution of 1 step runs in fit B (a ratio of 10): the median of the pairs outvotes it
+    drive(tuner, lambda k, i: 0.001 * k, 7)
     tuner.begin()
     drive(tuner, lambda k, i: 0.01 * k, 40)  # fit B: 100 steps/s at every count
     assert tuner.phase == "settled" and tuner.steps == 1

@@ -82,7 +82,9 @@ class StepsPerExecutionTuner:
     - `"settled"`: it keeps measuring the chosen count in windows; when `drift_windows`
       windows in a row differ from the rate it settled with (its first window at the chosen
       count, when the cost model chose a count not measured) by more than `drift_tolerance`
-      (a fraction), it probes again from `chosen // growth_factor` (at least `initial`).
+      (a fraction), it probes again from `chosen // growth_factor` (at least `initial`). When
+      `set_horizon` raises the cap above a count the cap had limited, the cost model's count is
+      computed again for the new cap (without a fit, the probe resumes from the count).
 
     Args:
         initial: int >= 1, the first best count (the first candidate is paired with it).
@@ -201,6 +203,7 @@ class StepsPerExecutionTuner:
         self._misses = 0
         self._off_size = 0
         self._drifts = 0
+        self._capped = False
         self._probe_from(self.initial)
         self.begin()
 
@@ -223,6 +226,9 @@ class StepsPerExecutionTuner:
     def set_horizon(self, horizon: int | None) -> None:
         """Caps every proposal at `horizon` steps (e.g. the period of a step-gated callback).
 
+        A count settled on because of a lower cap is revisited when the cap rises (a first
+        `fit` on one batch per epoch does not keep later `fit`s at one step).
+
         Args:
             horizon: int >= 1 or `None` (no cap besides `max_steps`).
 
@@ -237,10 +243,14 @@ class StepsPerExecutionTuner:
             # what was measured belongs to counts that are no longer proposed
             self._clear_windows()
             self.best_rate = self.reference_rate = None
+            self._capped = True
+        if self.phase == "settled" and self._capped and cap > self.candidate:
+            self._revisit()  # the cap had chosen the count, and it rose
+            return
         self.candidate = min(self.candidate, cap)
         self.best_steps = min(self.best_steps, cap)
         if self.phase == "probing" and self.candidate == self.best_steps:
-            self._settle(reason="bound")  # no larger count fits under the cap
+            self._settle(reason="cap")  # no larger count fits under the cap
 
     @property
     def cap(self) -> int:
@@ -289,8 +299,9 @@ class StepsPerExecutionTuner:
 
         Args:
             steps: int, steps the execution ran.
-            seconds: float, its wall time (training plus the per-execution overhead:
-                dispatch, the callbacks' `on_train_batch_begin`).
+            seconds: float, its wall time: training plus the per-execution overhead
+                (dispatch, the callbacks' per-batch work; `fit` times an execution from its
+                slot to Keras' request for the next one).
         """
         due = self._due()
         if self._warmup_left > 0:
@@ -349,9 +360,8 @@ class StepsPerExecutionTuner:
         self.best_rate = best_rate
         if gain > 1.0 + self.min_gain:
             if self.overhead_tolerance is not None:
-                chosen = self._cost_model_count(
-                    (self.best_steps, best_seconds), (self.candidate, seconds)
-                )
+                self._cost_fit = ((self.best_steps, best_seconds), (self.candidate, seconds))
+                chosen = self._cost_model_count(*self._cost_fit)
                 self.best_steps = chosen
                 self.best_rate = rate if chosen == self.candidate else None  # not measured
                 self._settle(reason="cost model")
@@ -364,10 +374,12 @@ class StepsPerExecutionTuner:
                 self._settle(reason="no gain")
                 return
         grown = min(self.candidate * self.growth_factor, self.cap)
-        if grown <= self.candidate or seconds >= self.max_seconds_per_execution:
-            self._settle(reason="bound")
-            return
-        self.candidate = grown
+        if grown <= self.candidate:
+            self._settle(reason="cap")
+        elif seconds >= self.max_seconds_per_execution:
+            self._settle(reason="max seconds")
+        else:
+            self.candidate = grown
 
     def _probe_from(self, best):
         """Starts probing: `best` is the count to beat, the candidate `growth_factor` times it."""
@@ -376,20 +388,32 @@ class StepsPerExecutionTuner:
         self.candidate = min(self.best_steps * self.growth_factor, self.cap)
         self._clear_windows()
         self._drifts = self._misses = 0
+        self._cost_fit = None
         if self.candidate <= self.best_steps:
-            self._settle(reason="bound")
+            self._settle(reason="cap")
+
+    def _revisit(self):
+        """The cap rose above a count it had limited: the cost model's count is computed again
+        for the new cap; a count settled on because nothing larger fitted is probed from."""
+        if self._cost_fit is None:
+            self._probe_from(self.candidate)
+            return
+        self.best_steps = self._cost_model_count(*self._cost_fit)
+        self.best_rate = None  # not measured at this count
+        self._settle(reason="cost model")
 
     def _cost_model_count(self, best, candidate):
         """The count where the fitted `T(k) = a + b * k` puts the overhead share `a / T(k)` at
-        `overhead_tolerance`, within the cap and `max_seconds_per_execution`, at least the
-        candidate's. `best`, `candidate`: `(steps, median seconds per execution)`."""
+        `overhead_tolerance`, within `max_seconds_per_execution`, at least the candidate's,
+        at most the cap. `best`, `candidate`: `(steps, median seconds per execution)`."""
         (k1, t1), (k2, t2) = best, candidate
         per_step = (t2 - t1) / (k2 - k1)
         overhead = t1 - per_step * k1
         if not (math.isfinite(per_step) and math.isfinite(overhead)):
             return k2  # timings beyond float range: no extrapolation
-        if per_step <= 0:  # no measurable cost per step: only the overhead counts
-            return self.cap
+        if per_step <= 0:  # no measurable cost per step: bounded by the candidate's time
+            in_time = self.max_seconds_per_execution * k2 / t2
+            return max(k2, min(self.cap, math.floor(min(in_time, self.cap))))
         if overhead <= 0:  # the gain was not the overhead's (noise): no extrapolation
             return k2
         tolerance, cap = self.overhead_tolerance, self.cap
@@ -401,7 +425,9 @@ class StepsPerExecutionTuner:
 
     def _settle(self, reason):
         self.phase = "settled"
-        self.candidate = min(self.best_steps, self.cap)
+        self.candidate = self.best_steps = min(self.best_steps, self.cap)
+        # whether the cap chose the count (set_horizon revisits it when the cap rises)
+        self._capped = reason == "cap" or (reason == "cost model" and self.candidate == self.cap)
         self._clear_windows()
         self.reference_rate = self.best_rate
         self._drifts = 0
