@@ -375,7 +375,7 @@ def test_cut_short_and_non_finite_executions_are_not_measurements():
     tuner = StepsPerExecutionTuner(
         growth_factor=2, window=1, min_window_seconds=0, warmup_executions=0
     )
-    assert tuner._pairing and tuner._due() == 2  # k=2 is the first candidate
+    assert tuner.phase == "probing" and tuner._due() == 2  # k=2 is the first candidate
     tuner.observe(1, float("inf"))
     tuner.observe(1, float("nan"))
     # the candidate cut to the best's count by a limit, over several fits

@@ -65,7 +65,7 @@ class _MultiStepCompile:
         if self._started or not isinstance(iterator, tf.data.Iterator):
             return
         self._started = True
-        self._thread = self._start(iterator)
+        self._thread = self._launch(iterator)
         if not background:
             self.join()
 
@@ -83,7 +83,9 @@ class _MultiStepCompile:
             return True
         return self._started and (self._thread is None or not self._thread.is_alive())
 
-    def _start(self, iterator):
+    def _launch(self, iterator):
+        """Traces the loop here and instantiates it in a new thread, which it returns (`None`:
+        the spec allows no empty data set, the loop compiles at its first real call)."""
         steps = tf.constant(2, tf.int32)
         self._function.get_concrete_function(iterator, steps)  # trace on this thread
         try:

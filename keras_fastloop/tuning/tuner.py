@@ -263,17 +263,14 @@ class StepsPerExecutionTuner:
         count once settled."""
         return self.candidate
 
-    @property
-    def _pairing(self):
-        """Whether a candidate is being measured in alternation with the best count (always,
-        while probing)."""
-        return self.phase == "probing"
+    def _best_due(self):
+        """While probing (candidate and best in turn), whether the best count's execution
+        paired with the candidate's last one is still to run."""
+        return self.phase == "probing" and len(self._best_rates) < len(self._rates)
 
     def _due(self):
-        """The count the next execution should run: while pairing, candidate and best in turn."""
-        if self._pairing and len(self._best_rates) < len(self._rates):
-            return self.best_steps
-        return self.candidate
+        """The count the next execution should run: while probing, candidate and best in turn."""
+        return self.best_steps if self._best_due() else self.candidate
 
     def propose(self, limit: int | None = None) -> int:
         """The number of steps the next execution should run.
@@ -321,27 +318,32 @@ class StepsPerExecutionTuner:
         if self._new_count_left > 0:
             self._new_count_left -= 1
             return
-        if self._pairing and due == self.best_steps:
+        probing = self.phase == "probing"
+        if probing and due == self.best_steps:
             self._best_rates.append(steps / seconds)
             self._best_seconds.append(seconds)
         else:
             self._rates.append(steps / seconds)
             self._seconds.append(seconds)
         if not self._window_full(self._seconds) or (
-            self._pairing and len(self._best_seconds) < self.window
+            probing and len(self._best_seconds) < self.window
         ):
             return
-        if self._pairing and len(self._best_rates) < len(self._rates):
+        if self._best_due():
             return  # strict alternation: the best's execution paired with the last candidate's
         rate = statistics.median(self._rates)
-        seconds = statistics.median(self._seconds)
-        if self._pairing:
-            gain = statistics.median(c / b for c, b in zip(self._rates, self._best_rates))
-            best = (statistics.median(self._best_rates), statistics.median(self._best_seconds))
+        if probing:
+            medians = (
+                rate,
+                statistics.median(self._seconds),
+                statistics.median(c / b for c, b in zip(self._rates, self._best_rates)),
+                statistics.median(self._best_rates),
+                statistics.median(self._best_seconds),
+            )
         self._clear_windows()
         self.history.append((self.phase, self.candidate, rate))
-        if self.phase == "probing":
-            self._probe_decision(rate, seconds, gain, *best)
+        if probing:
+            self._probe_decision(*medians)
         else:
             self._drift_check(rate)
 
@@ -411,17 +413,18 @@ class StepsPerExecutionTuner:
         overhead = t1 - per_step * k1
         if not (math.isfinite(per_step) and math.isfinite(overhead)):
             return k2  # timings beyond float range: no extrapolation
-        if per_step <= 0:  # no measurable cost per step: bounded by the candidate's time
-            in_time = self.max_seconds_per_execution * k2 / t2
-            return max(k2, min(self.cap, math.floor(min(in_time, self.cap))))
-        if overhead <= 0:  # the gain was not the overhead's (noise): no extrapolation
+        if per_step <= 0:  # no measurable cost per step: only the time bound, at the
+            # candidate's own time per step
+            wanted, in_time = math.inf, self.max_seconds_per_execution * k2 / t2
+        elif overhead <= 0:  # the gain was not the overhead's (noise): no extrapolation
             return k2
-        tolerance, cap = self.overhead_tolerance, self.cap
-        denominator = per_step * tolerance  # > 0 unless it underflows
-        wanted = overhead * (1 - tolerance) / denominator if denominator > 0 else math.inf
-        in_time = (self.max_seconds_per_execution - overhead) / per_step
-        chosen = min(math.ceil(min(wanted, cap) - 1e-9), math.floor(min(in_time, cap)))
-        return max(k2, chosen)
+        else:
+            tolerance = self.overhead_tolerance
+            denominator = per_step * tolerance  # > 0 unless it underflows
+            wanted = overhead * (1 - tolerance) / denominator if denominator > 0 else math.inf
+            in_time = (self.max_seconds_per_execution - overhead) / per_step
+        cap = self.cap
+        return max(k2, min(math.ceil(min(wanted, cap) - 1e-9), math.floor(min(in_time, cap))))
 
     def _settle(self, reason):
         self.phase = "settled"
