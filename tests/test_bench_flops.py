@@ -130,12 +130,17 @@ def test_one_cpuinfo_parser_for_policy_flops_and_reports(tmp_path):
 
     path = tmp_path / "cpuinfo"
     path.write_text(
-        "processor\t: 0\nmodel name\t: Test CPU\ncpu MHz\t\t: 2600.000\n"
-        "flags\t\t: fpu avx2 fma avx512_bf16\nprocessor\t: 1\nflags\t\t: fpu\n"
+        "processor\t: 0\ncpu family\t: 25\nmodel\t\t: 17\nmodel name\t: Test CPU\n"
+        "cpu MHz\t\t: 2600.000\nflags\t\t: fpu avx2 fma avx512_bf16\n"
+        "processor\t: 1\ncpu family\t: 6\nmodel\t\t: 143\nflags\t\t: fpu\n"
     )
     cpu = _machine.read_cpuinfo(str(path))
     assert cpu == _machine.CPUInfo(
-        flags=frozenset({"fpu", "avx2", "fma", "avx512_bf16"}), model="Test CPU", mhz=2600.0
+        flags=frozenset({"fpu", "avx2", "fma", "avx512_bf16"}),
+        model="Test CPU",
+        mhz=2600.0,
+        family=25,
+        model_number=17,
     )
     assert flops.read_cpu_description(str(path), str(tmp_path / "no")).flags == cpu.flags
     hw = mixed_precision.detect_hardware(str(path))
@@ -145,3 +150,23 @@ def test_one_cpuinfo_parser_for_policy_flops_and_reports(tmp_path):
     arm = _machine.parse_cpuinfo("Features\t: fp asimd\n")
     assert arm == _machine.CPUInfo(flags=frozenset({"fp", "asimd"}))
     assert _machine.read_cpuinfo(str(tmp_path / "missing")) == _machine.CPUInfo()
+
+
+def test_cpu_identity_names_family_model_and_bf16_units():
+    """Report headers tell two CPUs that share a model name apart (the AMD EPYC VMs of this
+    project were Zen 4, family 25, and Zen 5, family 26, both "AMD EPYC")."""
+    from keras_fastloop import _machine
+
+    zen4 = _machine.parse_cpuinfo(
+        "cpu family\t: 25\nmodel\t\t: 17\nmodel name\t: AMD EPYC\nflags\t: avx512f avx512_bf16\n"
+    )
+    assert zen4.identity() == "AMD EPYC (family 25, model 17; bf16: AVX512_BF16)"
+    xeon = _machine.parse_cpuinfo(
+        "cpu family\t: 6\nmodel\t\t: 143\nmodel name\t: Intel(R) Xeon(R) Platinum 8480+\n"
+        "flags\t: avx512_bf16 amx_bf16 amx_tile\n"
+    )
+    assert xeon.identity() == (
+        "Intel(R) Xeon(R) Platinum 8480+ (family 6, model 143; bf16: AMX-BF16, AVX512_BF16)"
+    )
+    assert _machine.parse_cpuinfo("model name\t: X\nflags\t: avx2\n").identity() == "X"
+    assert _machine.parse_cpuinfo("model\t: junk\n").identity() == ""

@@ -38,12 +38,13 @@ SEED_ARTICLE = (
 
 
 def machine_description() -> str:
-    """CPU model, core count, accelerators and oneDNN's switch, for the report header."""
+    """CPU model (family, model number, bf16 units), core count, accelerators and oneDNN's
+    switch, for the report header."""
     import tensorflow as tf
 
     from keras_fastloop import _keras_internals
 
-    cpu = _machine.read_cpuinfo().model or platform.processor() or platform.machine()
+    cpu = _machine.read_cpuinfo().identity() or platform.processor() or platform.machine()
     onednn = {True: "on", False: "off", None: "n/a"}[_keras_internals.onednn_enabled()]
     gpus = [
         tf.config.experimental.get_device_details(g).get("device_name", g.name)
