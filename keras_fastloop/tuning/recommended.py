@@ -171,8 +171,8 @@ def recommended_setup(
        stays (never slower than plain precision, by measurement). Without them the hardware
        rule alone decides.
     2. `steps_per_execution="auto"` for `compile` (see `docs/fit_loop.md`): it starts
-       at 1 (Keras' default) and grows only while measured throughput improves, so it falls back
-       to 1 when larger counts do not pay.
+       at 1 (Keras' default) and grows unless a larger count measures slower, so it falls back
+       to 1 when larger counts are slower.
     3. `RecommendedSetup.pipeline`: prefetch and map optimizations for a tf.data input,
        tf.data's autotuning off (`optimize_pipeline`).
 

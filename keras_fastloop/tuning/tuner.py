@@ -64,19 +64,21 @@ class StepsPerExecutionTuner:
     - `"probing"`: each candidate larger than the best count so far (`growth_factor` times
       it; first `initial * growth_factor` against `initial`) is measured *in strict
       alternation with the best count* (candidate, best, candidate, best, ..., until both
-      windows are full), and it pays only if the median of the ratios of each candidate
-      execution's rate to that of the best execution paired with it exceeds `1 + min_gain`:
-      a drift of the machine during the probe, or a new `fit` on other data, hits both sides
-      of a pair alike, so it cannot make a larger count look faster than it is. When a
-      candidate pays, the cost model `T(k) = a + b * k` (`a` seconds of host work per
-      execution, `b` seconds per step; the alpha-beta model of Hockney, 1994) is fitted to the
-      two paired medians, and the tuner settles on the smallest count whose predicted
-      overhead share `a / T(k)` is at most `overhead_tolerance` (at least the candidate)
-      instead of growing rung by rung (`overhead_tolerance=None`: the candidate becomes the
-      best and the next one is `growth_factor` times it). After `patience` candidates in a
-      row that do not pay, or when the next candidate would pass the cap (`max_steps` and the
-      horizon set with `set_horizon`) or one execution already takes
-      `max_seconds_per_execution`, it settles on the best. Observations of other step counts
+      windows are full). The gain is the median of the ratios of each candidate execution's
+      rate to that of the best execution paired with it: a drift of the machine during the
+      probe, or a new `fit` on other data, hits both sides of a pair alike, so it cannot make
+      a larger count look faster or slower than it is. A gain above `1 + min_gain` pays: the
+      cost model `T(k) = a + b * k` (`a` seconds of host work per execution, `b` seconds per
+      step; the alpha-beta model of Hockney, 1994) is fitted to the two paired medians, and
+      the tuner settles on the smallest count whose predicted overhead share `a / T(k)` is at
+      most `overhead_tolerance` (at least the candidate). A gain below `1 - min_gain` is
+      slower. Anything between is a tie: grouping adds no work per step, so a tie is the
+      noise of the measurement, and the candidate becomes the best and the next one is
+      `growth_factor` times it, as after a gain without a cost model (`overhead_tolerance=None`)
+      or with one that cannot extrapolate (no positive `a`). After `patience` slower candidates
+      in a row, or when the next candidate would pass the cap (`max_steps` and the horizon set
+      with `set_horizon`) or one execution already takes `max_seconds_per_execution`, it
+      settles on the best. Observations of other step counts
       (executions cut short by an event or an epoch end) are not measurements; after
       `4 * window` of them in a row it settles on the best so far.
     - `"settled"`: it keeps measuring the chosen count in windows; when `drift_windows`
@@ -95,15 +97,19 @@ class StepsPerExecutionTuner:
             less than the one before (on the bench CNN in bf16 each doubling from 1 to 8
             gained about 5 %, the size of `min_gain`, and 1 to 4 gained 5-24 % in three sweeps;
             `docs/performance.md`).
-        min_gain: float >= 0, relative throughput gain a larger count must bring.
-            Defaults to `0.05`.
+        min_gain: float >= 0, the relative throughput difference that counts: a larger count
+            faster by more pays, one slower by more is slower, one within it ties (and
+            grows). Defaults to `0.05`. On the bench CNN (Zen 4 EPYC) single paired ratios
+            scattered by about 20 % and their median over a window by about 9 %, while 4
+            against 1 gained 5-20 %: growing only on a proven gain settled at 1 in 2 of 10
+            runs (`docs/performance.md`).
         window: int >= 1, the fewest executions in a measurement window. Defaults to `3`.
         min_window_seconds: float >= 0, the least wall time (seconds) of the executions in a
             measurement window (while pairing, of the candidate's). Defaults to `0.25` (on a
             6 ms step, about 10 pairs of 4 and 1 steps).
         warmup_executions: int >= 0, observations dropped after `begin`. Defaults to
             `1`.
-        patience: int >= 1, non-paying candidates in a row before settling. Defaults to `2`
+        patience: int >= 1, slower candidates in a row before settling. Defaults to `2`
             (one noisy window on a shared machine does not end the search).
         drift_tolerance: float > 0, relative change of the settled rate that counts as drift.
             Defaults to `0.3`.
@@ -360,21 +366,25 @@ class StepsPerExecutionTuner:
         `gain`: the median ratio of its rates to the paired best's; `best_rate`,
         `best_seconds`: the best's medians."""
         self.best_rate = best_rate
-        if gain > 1.0 + self.min_gain:
-            if self.overhead_tolerance is not None:
-                self._cost_fit = ((self.best_steps, best_seconds), (self.candidate, seconds))
-                chosen = self._cost_model_count(*self._cost_fit)
-                self.best_steps = chosen
-                self.best_rate = rate if chosen == self.candidate else None  # not measured
-                self._settle(reason="cost model")
-                return
-            self.best_steps, self.best_rate = self.candidate, rate
-            self._misses = 0
-        else:
+        if gain < 1.0 - self.min_gain:  # slower than the best
             self._misses += 1
             if self._misses >= self.patience:
-                self._settle(reason="no gain")
+                self._settle(reason="slower")
                 return
+        else:
+            if gain > 1.0 + self.min_gain and self.overhead_tolerance is not None:
+                fit = ((self.best_steps, best_seconds), (self.candidate, seconds))
+                chosen = self._cost_model_count(*fit)
+                if chosen is not None:
+                    self._cost_fit = fit
+                    self.best_steps = chosen
+                    self.best_rate = rate if chosen == self.candidate else None  # not measured
+                    self._settle(reason="cost model")
+                    return
+            # it pays (without a cost model, or one that cannot extrapolate) or ties: a tie is
+            # the noise of the measurement, as grouping adds no work per step
+            self.best_steps, self.best_rate = self.candidate, rate
+            self._misses = 0
         grown = min(self.candidate * self.growth_factor, self.cap)
         if grown <= self.candidate:
             self._settle(reason="cap")
@@ -407,17 +417,19 @@ class StepsPerExecutionTuner:
     def _cost_model_count(self, best, candidate):
         """The count where the fitted `T(k) = a + b * k` puts the overhead share `a / T(k)` at
         `overhead_tolerance`, within `max_seconds_per_execution`, at least the candidate's,
-        at most the cap. `best`, `candidate`: `(steps, median seconds per execution)`."""
+        at most the cap; `None` where the fit cannot extrapolate (no positive overhead, or
+        timings beyond float range). `best`, `candidate`: `(steps, median seconds per
+        execution)`."""
         (k1, t1), (k2, t2) = best, candidate
         per_step = (t2 - t1) / (k2 - k1)
         overhead = t1 - per_step * k1
         if not (math.isfinite(per_step) and math.isfinite(overhead)):
-            return k2  # timings beyond float range: no extrapolation
+            return None  # timings beyond float range: no extrapolation
         if per_step <= 0:  # no measurable cost per step: only the time bound, at the
             # candidate's own time per step
             wanted, in_time = math.inf, self.max_seconds_per_execution * k2 / t2
         elif overhead <= 0:  # the gain was not the overhead's (noise): no extrapolation
-            return k2
+            return None
         else:
             tolerance = self.overhead_tolerance
             denominator = per_step * tolerance  # > 0 unless it underflows
