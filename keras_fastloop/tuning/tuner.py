@@ -19,6 +19,9 @@ __all__ = ["AUTO", "StepsPerExecutionTuner", "validate_steps_per_execution"]
 
 AUTO = "auto"
 
+# relative slack of the gain thresholds: the ratio of two equal timings can be 1 - 1e-16
+_ROUNDING = 1e-9
+
 
 def validate_steps_per_execution(value: int | str) -> int | str:
     """Checks a `steps_per_execution` argument.
@@ -75,10 +78,13 @@ class StepsPerExecutionTuner:
       slower. Anything between is a tie: grouping adds no work per step, so a tie is the
       noise of the measurement, and the candidate becomes the best and the next one is
       `growth_factor` times it, as after a gain without a cost model (`overhead_tolerance=None`)
-      or with one that cannot extrapolate (no positive `a`). After `patience` slower candidates
-      in a row, or when the next candidate would pass the cap (`max_steps` and the horizon set
-      with `set_horizon`) or one execution already takes `max_seconds_per_execution`, it
-      settles on the best. Observations of other step counts
+      or with one that cannot extrapolate (no positive `a`). Ties cannot stack into a loss: a
+      tie whose ratio, multiplied by those of the ties since the last count that paid (or the
+      probe's start), falls below `1 - min_gain` is slower too. The next candidate also stays
+      within `max_seconds_per_execution` at the candidate's measured time per step. After
+      `patience` slower candidates in a row, or when no larger candidate fits under the cap
+      (`max_steps` and the horizon set with `set_horizon`) or within
+      `max_seconds_per_execution`, it settles on the best. Observations of other step counts
       (executions cut short by an event or an epoch end) are not measurements; after
       `4 * window` of them in a row it settles on the best so far.
     - `"settled"`: it keeps measuring the chosen count in windows; when `drift_windows`
@@ -97,7 +103,7 @@ class StepsPerExecutionTuner:
             less than the one before (on the bench CNN in bf16 each doubling from 1 to 8
             gained about 5 %, the size of `min_gain`, and 1 to 4 gained 5-24 % in three sweeps;
             `docs/performance.md`).
-        min_gain: float >= 0, the relative throughput difference that counts: a larger count
+        min_gain: float in [0, 1), the relative throughput difference that counts: a larger count
             faster by more pays, one slower by more is slower, one within it ties (and
             grows). Defaults to `0.05`. On the bench CNN (Zen 4 EPYC) single paired ratios
             scattered by about 20 % and their median over a window by about 9 %, while 4
@@ -115,9 +121,10 @@ class StepsPerExecutionTuner:
             Defaults to `0.3`.
         drift_windows: int >= 1, drifting windows in a row that trigger re-tuning. Defaults to
             `2`.
-        max_seconds_per_execution: float > 0, no growth once an execution takes this long
-            (keeps progress and interrupts responsive); the cost model's count is capped so
-            that `T(k)` stays within it. Defaults to `1.0`.
+        max_seconds_per_execution: float > 0, no candidate whose execution would take longer
+            at the last candidate's measured time per step (keeps progress and interrupts
+            responsive); the cost model's count is capped so that `T(k)` stays within it.
+            Defaults to `1.0`.
         overhead_tolerance: float in (0, 1) or `None`, the share of an execution's time the
             per-execution overhead may keep at the count the cost model chooses. Defaults to
             `0.005`: on the bench CNN in bf16 (Zen 5 EPYC) the fit of 4 against 1 put the
@@ -170,7 +177,9 @@ class StepsPerExecutionTuner:
             requirement=f"an int >= initial ({initial})",
         )
         self.growth_factor = check_int("growth_factor", growth_factor, minimum=2)
-        self.min_gain = check_real("min_gain", min_gain, minimum=0.0)
+        self.min_gain = check_real(
+            "min_gain", min_gain, minimum=0.0, maximum=1.0, exclusive_maximum=True
+        )
         self.window = check_int("window", window, minimum=1)
         self.min_window_seconds = check_real("min_window_seconds", min_window_seconds, minimum=0.0)
         self.warmup_executions = check_int("warmup_executions", warmup_executions, minimum=0)
@@ -366,13 +375,8 @@ class StepsPerExecutionTuner:
         `gain`: the median ratio of its rates to the paired best's; `best_rate`,
         `best_seconds`: the best's medians."""
         self.best_rate = best_rate
-        if gain < 1.0 - self.min_gain:  # slower than the best
-            self._misses += 1
-            if self._misses >= self.patience:
-                self._settle(reason="slower")
-                return
-        else:
-            if gain > 1.0 + self.min_gain and self.overhead_tolerance is not None:
+        if gain > (1.0 + self.min_gain) * (1.0 + _ROUNDING):  # it pays
+            if self.overhead_tolerance is not None:
                 fit = ((self.best_steps, best_seconds), (self.candidate, seconds))
                 chosen = self._cost_model_count(*fit)
                 if chosen is not None:
@@ -381,17 +385,38 @@ class StepsPerExecutionTuner:
                     self.best_rate = rate if chosen == self.candidate else None  # not measured
                     self._settle(reason="cost model")
                     return
-            # it pays (without a cost model, or one that cannot extrapolate) or ties: a tie is
-            # the noise of the measurement, as grouping adds no work per step
-            self.best_steps, self.best_rate = self.candidate, rate
-            self._misses = 0
+            self._adopt(rate, standing=1.0)  # a ladder, or a fit that cannot extrapolate
+        else:
+            # a tie is the measurement's noise (grouping adds no work per step), unless the
+            # ties since the last count that paid add up to a loss
+            standing = self._standing * gain
+            if standing >= (1.0 - self.min_gain) * (1.0 - _ROUNDING):
+                self._adopt(rate, standing)
+            else:
+                self._misses += 1
+                if self._misses >= self.patience:
+                    self._settle(reason="slower")
+                    return
+        # the next candidate: by growth_factor, within the cap and, at the candidate's measured
+        # time per step, within max_seconds_per_execution
         grown = min(self.candidate * self.growth_factor, self.cap)
         if grown <= self.candidate:
             self._settle(reason="cap")
-        elif seconds >= self.max_seconds_per_execution:
-            self._settle(reason="max seconds")
-        else:
+            return
+        per_step = seconds / self.candidate
+        if grown * per_step > self.max_seconds_per_execution:
+            grown = math.floor(self.max_seconds_per_execution / per_step)  # < grown: finite
+        if grown > self.candidate:
             self.candidate = grown
+        else:
+            self._settle(reason="max seconds")
+
+    def _adopt(self, rate, standing):
+        """The candidate becomes the best; `standing`: its rate relative to the last count that
+        paid (or the probe's start), the product of the tie ratios since."""
+        self.best_steps, self.best_rate = self.candidate, rate
+        self._standing = standing
+        self._misses = 0
 
     def _probe_from(self, best):
         """Starts probing: `best` is the count to beat, the candidate `growth_factor` times it."""
@@ -400,6 +425,7 @@ class StepsPerExecutionTuner:
         self.candidate = min(self.best_steps * self.growth_factor, self.cap)
         self._clear_windows()
         self._drifts = self._misses = 0
+        self._standing = 1.0
         self._cost_fit = None
         if self.candidate <= self.best_steps:
             self._settle(reason="cap")
