@@ -27,6 +27,11 @@ def drive(tuner, seconds_for, executions, limit=None):
 # ------------------------------------------------------------------------------ state machine
 
 
+def scripted(**kwargs):
+    """A tuner for scripted timings: windows of one execution, no time bound, no warm-up."""
+    return StepsPerExecutionTuner(window=1, min_window_seconds=0, warmup_executions=0, **kwargs)
+
+
 def test_grows_while_it_pays_then_settles_at_the_cap():
     tuner = StepsPerExecutionTuner(
         growth_factor=2, max_steps=16, window=2, min_window_seconds=0, overhead_tolerance=None
@@ -139,7 +144,7 @@ def test_ties_cannot_stack_into_a_loss():
     on every tie settled at 64, 11.5 % slower than 1. The product of the tie ratios since the
     probe's start is the best's rate relative to 1: below `1 - min_gain` it is a miss."""
     rate = {1: 100.0, 4: 96.0, 16: 92.16, 64: 88.47}
-    tuner = StepsPerExecutionTuner(window=1, min_window_seconds=0, warmup_executions=0)
+    tuner = scripted()
     proposals = drive(tuner, lambda k, i: k / rate[k], 10)
     assert proposals[:6] == [4, 1, 16, 4, 64, 4]  # 16 ties with 4 but is 7.8 % below 1: a miss
     assert tuner.history[3] == ("settle", 4, "slower") and tuner.propose() == 4
@@ -149,13 +154,11 @@ def test_growth_stays_within_max_seconds_per_execution():
     """Found by a review: 0.2 s per step ties at every count; growing by 4 after a tie at 4
     (0.8 s) settled at 16, 3.2 s per execution against a 1 s bound. The next candidate is
     bounded by the candidate's measured time per step."""
-    tuner = StepsPerExecutionTuner(window=1, min_window_seconds=0, warmup_executions=0)
+    tuner = scripted()
     proposals = drive(tuner, lambda k, i: 0.2 * k, 6)
     assert max(proposals) == 5  # 1 s / 0.2 s
     assert tuner.phase == "settled" and tuner.steps == 5
-    tuner = StepsPerExecutionTuner(
-        window=1, min_window_seconds=0, warmup_executions=0, overhead_tolerance=None
-    )
+    tuner = scripted(overhead_tolerance=None)
     drive(tuner, lambda k, i: 0.001 + 0.3 * k, 6)  # 4 ties; at 1.2 s no larger count fits
     assert ("settle", 4, "max seconds") in tuner.history
 
@@ -163,14 +166,7 @@ def test_growth_stays_within_max_seconds_per_execution():
 def test_equal_timings_tie_with_min_gain_zero():
     """Found by a review: with `min_gain=0` equal timings gave a ratio of 1 - 1e-16, which
     counted as slower."""
-    tuner = StepsPerExecutionTuner(
-        growth_factor=3,
-        patience=1,
-        window=1,
-        min_window_seconds=0,
-        warmup_executions=0,
-        min_gain=0.0,
-    )
+    tuner = scripted(growth_factor=3, patience=1, min_gain=0.0)
     drive(tuner, lambda k, i: 0.001 * k, 8)
     assert not any(h[2] == "slower" for h in tuner.history if h[0] == "settle")
     assert tuner.best_steps >= 9
@@ -199,9 +195,7 @@ def test_a_tie_within_min_gain_grows():
     ten paired ratios scatters by about 9 %, so a rule that grows only on a gain above
     `min_gain` settled at 1 in 2 of 10 runs. Grouping adds no work per step: a count within
     `min_gain` of the best ties, becomes the best, and the probe goes on."""
-    tuner = StepsPerExecutionTuner(
-        growth_factor=2, max_steps=8, window=1, min_window_seconds=0, warmup_executions=0
-    )
+    tuner = scripted(growth_factor=2, max_steps=8)
     rate = {1: 100.0, 2: 98.0, 4: 101.0, 8: 100.0}
     proposals = drive(tuner, lambda k, i: k / rate[k], 7)
     assert proposals[:6] == [2, 1, 4, 2, 8, 4]
