@@ -403,13 +403,18 @@ class StepsPerExecutionTuner:
         if grown <= self.candidate:
             self._settle(reason="cap")
             return
-        per_step = seconds / self.candidate
-        if grown * per_step > self.max_seconds_per_execution:
-            grown = math.floor(self.max_seconds_per_execution / per_step)  # < grown: finite
+        in_time = self._steps_in_time(self.candidate, seconds)
+        if grown > in_time:
+            grown = math.floor(in_time)
         if grown > self.candidate:
             self.candidate = grown
         else:
             self._settle(reason="max seconds")
+
+    def _steps_in_time(self, steps, seconds):
+        """How many steps fit in `max_seconds_per_execution` at `steps` per `seconds` (a float,
+        `inf` for a time too small to divide by)."""
+        return self.max_seconds_per_execution * steps / seconds
 
     def _adopt(self, rate, standing):
         """The candidate becomes the best; `standing`: its rate relative to the last count that
@@ -453,7 +458,7 @@ class StepsPerExecutionTuner:
             return None  # timings beyond float range: no extrapolation
         if per_step <= 0:  # no measurable cost per step: only the time bound, at the
             # candidate's own time per step
-            wanted, in_time = math.inf, self.max_seconds_per_execution * k2 / t2
+            wanted, in_time = math.inf, self._steps_in_time(k2, t2)
         elif overhead <= 0:  # the gain was not the overhead's (noise): no extrapolation
             return None
         else:
