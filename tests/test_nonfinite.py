@@ -21,12 +21,12 @@ from keras_fastloop._warnings import FastloopWarning
 BATCH = 2
 
 
-def make_model():
+def make_model(model_class=kf.OptimizedModel):
     keras.utils.set_random_seed(3)
     inputs = keras.Input((4,))
     a = keras.layers.Dense(1, name="a")(keras.layers.Lambda(lambda t: t[:, :2])(inputs))
     b = keras.layers.Dense(1, name="b")(keras.layers.Lambda(lambda t: t[:, 2:])(inputs))
-    return kf.OptimizedModel(inputs, {"a": a, "b": b})
+    return model_class(inputs, {"a": a, "b": b})
 
 
 def make_data(num_batches, bad_batches=()):
@@ -121,6 +121,26 @@ def test_raise_names_step_and_first_nonfinite_variable(steps_per_execution):
     assert int(model.optimizer.iterations.numpy()) == 5
     reference, _ = train(*keep_batches(x, y, [0, 1, 2, 6, 7]))
     assert_same_weights(model, reference)
+
+
+def test_raise_is_caught_where_keras_terminate_on_nan_raise_error_is():
+    # Keras' TerminateOnNaN(raise_error=True) raises RuntimeError: code written for it
+    # (`except RuntimeError`) must catch ours too, under nonfinite="raise".
+    x, y = make_data(4, bad_batches=(1,))
+    reference = make_model(keras.Model)
+    reference.compile(keras.optimizers.Adam(0.05), {"a": "mse", "b": "mse"})
+    callbacks = [keras.callbacks.TerminateOnNaN(raise_error=True)]
+    with pytest.raises(RuntimeError) as keras_error:
+        reference.fit(
+            x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=callbacks
+        )
+    assert type(keras_error.value) is RuntimeError  # the reference: Keras' own class
+    model = make_model()
+    model.compile(keras.optimizers.Adam(0.05), {"a": "mse", "b": "mse"}, nonfinite="raise")
+    with pytest.raises(RuntimeError) as ours:
+        model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    assert isinstance(ours.value, guards.NonFiniteError)
+    assert isinstance(ours.value, FloatingPointError)
 
 
 def test_raise_blocks_the_rest_of_a_block_of_steps():

@@ -867,6 +867,28 @@ def test_clone_model_of_a_compiled_sequential_with_features_off():
     assert clones[1] == clones[0]
 
 
+def test_sequential_with_features_on_clones_as_keras_advises_for_subclasses():
+    """`keras.models.clone_model` builds every Sequential clone as a plain keras.Sequential,
+    whose `compile` does not take our options; the README's way (Keras' advice for model
+    subclasses) keeps the class and the compile options, and trains as the original."""
+    x, y = rng_data(32)
+    keras.utils.set_random_seed(7)
+    model = kf.OptimizedSequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile("adam", "mse", gradient_clipping=0.01, steps_per_execution="auto")
+    clone = type(model).from_config(model.get_config())
+    clone.compile_from_config(model.get_compile_config())
+    assert type(clone) is kf.OptimizedSequential
+    assert clone.get_compile_config() == model.get_compile_config()
+    clone.set_weights(model.get_weights())
+    histories = [
+        m.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False).history
+        for m in (model, clone)
+    ]
+    assert histories[1] == histories[0]
+    for a, b in zip(model.get_weights(), clone.get_weights()):
+        np.testing.assert_array_equal(b, a)
+
+
 def test_compile_config_keeps_the_features_that_are_on(tmp_path):
     model = _two_task_build(kf.OptimizedModel)
     model.compile("adam", {"a": "mse", "b": "sparse_categorical_crossentropy"})

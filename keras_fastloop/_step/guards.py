@@ -39,11 +39,12 @@ SKIP_RATE_WARNING = 0.2
 SKIP_RATE_MIN_SKIPS = 5
 
 
-class NonFiniteError(FloatingPointError):
+class NonFiniteError(FloatingPointError, RuntimeError):
     """Raised by `fit`/`train_on_batch` under `compile(nonfinite="raise")`.
 
     The message names the optimizer step and the first variable whose gradient is not finite;
-    that step's update was not applied.
+    that step's update was not applied. A `RuntimeError`, as what Keras'
+    `TerminateOnNaN(raise_error=True)` raises, so handlers written for it catch this too.
     """
 
 
