@@ -6,7 +6,8 @@ installed, so they change with it): `models/`, `trainers/trainer_test.py`,
 pytest passes (the README's deviations are strict xfails) and every file group's tests built
 our classes, with no Keras module left holding one of them.
 
-Usage: `python tests/keras_spec/run.py [pytest options, e.g. -n 2]`
+Usage: `python tests/keras_spec/run.py [pytest options, e.g. -n 2]`. With a selection
+(`-k`, `-m`, `--deselect`, node ids) the per-group minimums give way to "some test built ours".
 """
 
 from __future__ import annotations
@@ -14,10 +15,13 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from deviations import DEVIATIONS
 
 HERE = Path(__file__).resolve().parent
 GROUPS = {
@@ -26,9 +30,11 @@ GROUPS = {
     "saving": ["saving/saving_lib_test.py", "saving/saving_api_test.py"],
     "callbacks": ["callbacks/*_test.py"],
 }
-# Tests that must build at least this many of our models per group (a silent swap failure
-# builds none).
-MIN_TESTS_WITH_OURS = {"models": 100, "trainer": 20, "saving": 50, "callbacks": 40}
+# In a whole run (no -k, -m, --deselect or node ids), how many tests of each group must build
+# at least one of our models: about 90 % of the 147 / 30 / 125 / 57 that do with Keras 3.15.1
+# (a swap of `Sequential` that silently failed left 123 / 21 / 41 / 2).
+MIN_TESTS_WITH_OURS = {"models": 130, "trainer": 27, "saving": 110, "callbacks": 50}
+_SELECTING = re.compile(r"^(-k|-m|--deselect)|::")
 
 
 def keras_src():
@@ -49,8 +55,23 @@ def keras_tests():
     return files
 
 
+def missing_deviations(root):
+    """The deviation node ids whose test the installed Keras no longer defines (renamed)."""
+    missing = []
+    for node in DEVIATIONS:
+        path, *_, test = node.split("::")
+        source = (root / path).read_text() if (root / path).exists() else ""
+        if not re.search(rf"def {re.escape(test)}\(", source):
+            missing.append(node)
+    return missing
+
+
 def main(argv):
     files = keras_tests()
+    missing = missing_deviations(keras_src())
+    if missing:
+        print(f"keras_spec: deviation tests not found in this Keras: {missing}", file=sys.stderr)
+        return 1
     with tempfile.TemporaryDirectory() as log_dir:
         env = dict(
             os.environ,
@@ -85,12 +106,16 @@ def main(argv):
     problems = []
     if leaks:
         problems.append(f"Keras modules left holding our classes: {sorted(set(leaks))}")
+    whole_run = not any(_SELECTING.search(arg) for arg in argv)
     for group, paths in files.items():
         names = {"/".join(Path(p).parts[-2:]) for p in paths}
-        ours = sum(1 for test, r in records.items() if test.split("::")[0] in names and r["ours"])
-        print(f"{group}: {ours} tests built keras_fastloop models")
-        if ours < MIN_TESTS_WITH_OURS[group]:
+        ran = [r for test, r in records.items() if test.split("::")[0] in names]
+        ours = sum(1 for r in ran if r["ours"])
+        print(f"{group}: {ours} of {len(ran)} tests built keras_fastloop models")
+        if whole_run and ours < MIN_TESTS_WITH_OURS[group]:
             problems.append(f"{group}: only {ours} tests built our models (the swap failed?)")
+        elif ran and any(r["theirs"] for r in ran) and not ours:
+            problems.append(f"{group}: no test built our models (the swap failed?)")
     for problem in problems:
         print("keras_spec:", problem, file=sys.stderr)
     return status or (1 if problems else 0)
