@@ -43,8 +43,8 @@ def keras_src():
     return Path(keras.__file__).parent / "src"
 
 
-def keras_tests():
-    root = keras_src()
+def keras_tests(root):
+    """The test files of each group under Keras' `src/`, by group name."""
     files = {
         group: sorted(f for p in patterns for f in glob.glob(str(root / p)))
         for group, patterns in GROUPS.items()
@@ -67,8 +67,9 @@ def missing_deviations(root):
 
 
 def main(argv):
-    files = keras_tests()
-    missing = missing_deviations(keras_src())
+    root = keras_src()
+    files = keras_tests(root)
+    missing = missing_deviations(root)
     if missing:
         print(f"keras_spec: deviation tests not found in this Keras: {missing}", file=sys.stderr)
         return 1
@@ -88,9 +89,14 @@ def main(argv):
             "-c",
             str(HERE / "pytest.ini"),
             "--rootdir",
-            str(keras_src()),  # node ids: models/model_test.py::ModelTest::test_...
+            str(root),  # node ids: models/model_test.py::ModelTest::test_...
             "-p",
             "no:cacheprovider",
+            # Keras' tests do not use hypothesis; its plugin imports it at the run's end, and
+            # rewriting its modules then crashed single-process runs (CPython 3.11.7's "AST
+            # constructor recursion depth mismatch" after TensorFlow ran in the process)
+            "-p",
+            "no:hypothesispytest",
             "-q",
             "-rfEX",
             *argv,

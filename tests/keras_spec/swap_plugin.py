@@ -65,8 +65,6 @@ for _name in (
 ):
     importlib.import_module(_name)
 
-KerasModel = model_module.Model
-KerasSequential = sequential_module.Sequential
 KerasFunctional = functional_module.Functional
 OurFunctional = _functional_variant(OptimizedModel)
 OURS = (OptimizedModel, OptimizedSequential)
@@ -256,7 +254,7 @@ def pytest_sessionfinish(session):
     keras_dir = os.path.dirname(keras.__file__) + os.sep
     ours = (*SWAPPED.values(), OurFunctional)
     leaks = []
-    for name, module in list(sys.modules.items()):
+    for name, module in sys.modules.copy().items():  # atomic: other threads may import
         # The module's own dict only: `getattr` on a lazy module (TensorFlow has some) imports it.
         namespace = getattr(module, "__dict__", None) or {}
         path = namespace.get("__file__") or ""
