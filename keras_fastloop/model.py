@@ -75,9 +75,11 @@ class OptimizedModel(OptimizedTrainer, keras.Model):
     """
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Self:
-        if internals.functional_init_arguments(args, kwargs) and not issubclass(
-            cls, internals.Functional
-        ):
+        # As `keras.Model.__new__`: only the class itself turns `(inputs, outputs)` into a
+        # functional model here. A subclass' constructor arguments are its own (a VAE's
+        # `(encoder, decoder)`); it becomes functional in `__init__`, when its own `__init__`
+        # passes inputs and outputs on to `super().__init__`, as in `keras.Model.__init__`.
+        if cls is OptimizedModel and internals.functional_init_arguments(args, kwargs):
             cls = _functional_variant(cls)
         return super().__new__(cls, *args, **kwargs)
 

@@ -14,6 +14,7 @@ import tensorflow as tf
 from _helpers import two_replica_strategy
 
 import keras_fastloop as kf
+from keras_fastloop._keras_internals import Functional
 from keras_fastloop._warnings import FastloopWarning
 
 
@@ -906,3 +907,106 @@ def test_compile_config_keeps_the_features_that_are_on(tmp_path):
     model.save(path)
     loaded = keras.models.load_model(path)
     assert loaded.loss_weighting.name == "uw" and loaded.gradient_clipping is not None
+
+
+# ------------------------------------ issue 29: a subclass' constructor arguments are its own
+
+
+def _constructor_shapes(base):
+    """One subclass of `base` per constructor shape; `build(name)` makes it, seeded."""
+
+    def encoder():
+        i = keras.Input((4,))
+        return keras.Model(i, keras.layers.Dense(3, activation="tanh")(i))
+
+    def decoder():
+        i = keras.Input((3,))
+        return keras.Model(i, keras.layers.Dense(1)(i))
+
+    class TwoModels(base):  # keras-io's VAE(encoder, decoder)
+        def __init__(self, encoder, decoder, **kwargs):
+            super().__init__(**kwargs)
+            self.encoder, self.decoder = encoder, decoder
+
+        def call(self, x):
+            return self.decoder(self.encoder(x))
+
+    class ThreeParts(base):
+        def __init__(self, encoder, decoder, scale, **kwargs):
+            super().__init__(**kwargs)
+            self.encoder, self.decoder, self.scale = encoder, decoder, scale
+
+        def call(self, x):
+            return self.scale * self.decoder(self.encoder(x))
+
+    class KeywordOnly(base):
+        def __init__(self, *, encoder, decoder, **kwargs):
+            super().__init__(**kwargs)
+            self.encoder, self.decoder = encoder, decoder
+
+        def call(self, x):
+            return self.decoder(self.encoder(x))
+
+    class PassesInputsOutputs(base):  # functional: its __init__ hands them to super()
+        def __init__(self, units, **kwargs):
+            i = keras.Input((4,))
+            super().__init__(inputs=i, outputs=keras.layers.Dense(units)(i), **kwargs)
+
+    class TensorsOwnUse(base):  # two tensors as its own arguments: not functional
+        def __init__(self, a, b, **kwargs):
+            super().__init__(**kwargs)
+            self.shapes = (tuple(a.shape), tuple(b.shape))
+            self.dense = keras.layers.Dense(1)
+
+        def call(self, x):
+            return self.dense(x)
+
+    class NoInit(base):  # the base's own (inputs, outputs) constructor
+        pass
+
+    def functional_args():
+        i = keras.Input((4,))
+        return i, keras.layers.Dense(1)(keras.layers.Dense(3, activation="tanh")(i))
+
+    builders = {
+        "(a, b)": lambda: TwoModels(encoder(), decoder()),
+        "(a, b, c)": lambda: ThreeParts(encoder(), decoder(), 0.5),
+        "keyword-only": lambda: KeywordOnly(encoder=encoder(), decoder=decoder()),
+        "(units) -> super(inputs=, outputs=)": lambda: PassesInputsOutputs(1),
+        "(a, b) tensors, own use": lambda: TensorsOwnUse(*functional_args()),
+        "subclass(inputs, outputs)": lambda: NoInit(*functional_args()),
+        "subclass(inputs=, outputs=)": lambda: NoInit(
+            **dict(zip(("inputs", "outputs"), functional_args()))
+        ),
+        "base(inputs, outputs)": lambda: base(*functional_args()),
+        "base(inputs=, outputs=)": lambda: base(
+            **dict(zip(("inputs", "outputs"), functional_args()))
+        ),
+    }
+
+    def build(name):
+        keras.utils.set_random_seed(11)
+        return builders[name]()
+
+    return builders, build
+
+
+@pytest.mark.parametrize("shape", list(_constructor_shapes(keras.Model)[0]))
+def test_every_constructor_shape_builds_and_fits_like_keras(shape):
+    """keras-io's VAE(encoder, decoder) failed with "Functional.__init__() missing 2 required
+    positional arguments": `__new__` took any subclass' two positional arguments for
+    (inputs, outputs). Functional-ness is now decided where Keras decides it."""
+    x, y = rng_data()
+    results = []
+    for base in (keras.Model, kf.OptimizedModel):
+        model = _constructor_shapes(base)[1](shape)
+        model.compile(keras.optimizers.SGD(0.05), "mse")
+        history = model.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False).history
+        results.append((isinstance(model, Functional), history, model))
+    (f_ref, h_ref, m_ref), (f, h, m) = results
+    assert f == f_ref
+    assert isinstance(m, kf.OptimizedModel)
+    assert h == h_ref
+    for a, b in zip(m_ref.get_weights(), m.get_weights()):
+        np.testing.assert_array_equal(b, a)
+    assert kf.OptimizedModel.__bases__ == (kf.model.OptimizedTrainer, keras.Model)
