@@ -26,6 +26,7 @@ from keras import ops
 from keras_fastloop import _fit_loop as fit_loop
 from keras_fastloop import _keras_internals as internals
 from keras_fastloop import (
+    _registry,
     _resume,  # noqa: F401 - registers exact resume with the fit loop
     mixed_precision,
     tuning,
@@ -727,7 +728,10 @@ class OptimizedTrainer:
         config = dict(config)
         task_names = config.pop("task_names", None)
         task_weights = config.pop("task_weights", None)
-        config = internals.serialization_lib.deserialize_keras_object(config)
+        # Our own objects (clipping, weighting, ...) resolve even after
+        # `keras.saving.get_custom_objects().clear()`.
+        with keras.saving.custom_object_scope(_registry.library_objects()):
+            config = internals.serialization_lib.deserialize_keras_object(config)
         self.compile(**config)
         if task_names is not None:
             self._build_weighting((task_names, task_weights))

@@ -1010,3 +1010,86 @@ def test_every_constructor_shape_builds_and_fits_like_keras(shape):
     for a, b in zip(m_ref.get_weights(), m.get_weights()):
         np.testing.assert_array_equal(b, a)
     assert kf.OptimizedModel.__bases__ == (kf.model.OptimizedTrainer, keras.Model)
+
+
+# ----------------------------------- issue 29: loading after Keras' registry has been cleared
+
+
+@pytest.fixture
+def cleared_registry():
+    """`keras.saving.get_custom_objects().clear()`, as keras-io's serialization guide does;
+    the registry is restored afterwards for the other tests."""
+    registry = keras.saving.get_custom_objects()
+    saved = dict(registry)
+    registry.clear()
+    try:
+        yield
+    finally:
+        registry.clear()
+        registry.update(saved)
+
+
+CUSTOM = {"OptimizedModel": kf.OptimizedModel, "OptimizedSequential": kf.OptimizedSequential}
+
+
+def _saved_models(tmp_path):
+    x, y = rng_data()
+    i = keras.Input((4,))
+    functional = kf.OptimizedModel(i, keras.layers.Dense(1)(i))
+    sequential = kf.OptimizedSequential([keras.Input((4,)), keras.layers.Dense(1)])
+    out = {}
+    for name, model in (("functional", functional), ("sequential", sequential)):
+        # a loss object: Keras 3.15 cannot reload a string loss from .h5 (keras.Model too);
+        # gradient_clipping: one of our own objects in the compile config
+        model.compile("sgd", keras.losses.MeanSquaredError(), gradient_clipping=1.0)
+        model.fit(x, y, verbose=0)
+        for ext in ("keras", "h5"):
+            model.save(str(tmp_path / f"{name}.{ext}"))
+        out[name] = (model, model.to_json())
+    return x, out
+
+
+@pytest.mark.parametrize("how", ["custom_objects", "custom_object_scope", "model_from_json", "h5"])
+def test_saved_models_load_after_the_registry_is_cleared(tmp_path, how, request):
+    x, saved = _saved_models(tmp_path)
+    request.getfixturevalue("cleared_registry")
+    for name, (model, json) in saved.items():
+        if how == "custom_objects":
+            loaded = keras.saving.load_model(str(tmp_path / f"{name}.keras"), custom_objects=CUSTOM)
+        elif how == "custom_object_scope":
+            with keras.saving.custom_object_scope(CUSTOM):
+                loaded = keras.saving.load_model(str(tmp_path / f"{name}.keras"))
+        elif how == "model_from_json":
+            loaded = keras.models.model_from_json(json, custom_objects=CUSTOM)
+            loaded.set_weights(model.get_weights())
+        else:
+            loaded = keras.saving.load_model(str(tmp_path / f"{name}.h5"), custom_objects=CUSTOM)
+        assert type(loaded).__name__ == type(model).__name__, name
+        expected = kf.OptimizedSequential if name == "sequential" else kf.OptimizedModel
+        assert isinstance(loaded, expected), name
+        np.testing.assert_array_equal(loaded.predict(x, verbose=0), model.predict(x, verbose=0))
+        if how in ("custom_objects", "custom_object_scope"):  # compile config: our clipping too
+            assert isinstance(loaded.gradient_clipping, kf.clipping.ClipByGlobalNorm), name
+
+
+def test_a_bare_load_after_the_registry_is_cleared_names_the_class(tmp_path, cleared_registry):
+    """Keras finds a library's classes only through the registry or `custom_objects`: after
+    `clear()` a bare `load_model` fails as for any custom class, naming the class to pass."""
+    keras.saving.get_custom_objects().update(CUSTOM)  # for the save only
+    _saved_models(tmp_path)
+    keras.saving.get_custom_objects().clear()
+    with pytest.raises(TypeError, match="Could not locate class 'OptimizedModel'"):
+        keras.saving.load_model(str(tmp_path / "functional.keras"))
+
+
+def test_classes_serialize_under_their_bare_names_and_old_names_still_load():
+    i = keras.Input((4,))
+    model = kf.OptimizedModel(i, keras.layers.Dense(1)(i))
+    assert keras.saving.get_registered_name(type(model)) == "OptimizedModel"
+    assert keras.saving.get_registered_name(kf.OptimizedSequential) == "OptimizedSequential"
+    # a file written before issue 29 names the class "keras_fastloop>OptimizedModel"
+    old = model.to_json().replace(
+        '"registered_name": "OptimizedModel"', '"registered_name": "keras_fastloop>OptimizedModel"'
+    )
+    assert old != model.to_json()
+    assert isinstance(keras.models.model_from_json(old), kf.OptimizedModel)
