@@ -434,7 +434,7 @@ class OptimizedTrainer:
         if record is not None and not self.__dict__.get("_fastloop_own_step"):
             # Called from a user's own train_step/test_step: update the `{name}_loss`
             # trackers here, as Keras' CompileLoss does (our steps record after the guards).
-            self._compile_loss.record(values, sync.batch_size)
+            self._compile_loss.record(values)
         object.__setattr__(self, "_loss_record", record)
         if len(terms) == 1:
             return terms[0]
@@ -645,7 +645,7 @@ class OptimizedTrainer:
             internals.unscale_loss_for_distribution(result.loss), sample_weight=result.batch_size
         )
         if result.task_losses is not None:
-            self._compile_loss.record(result.task_losses, result.batch_size)
+            self._compile_loss.record(result.task_losses)
         if self._step_metrics.objective is not None and result.objective is not None:
             self._step_metrics.objective.update_state(
                 internals.unscale_loss_for_distribution(result.objective),
@@ -661,7 +661,7 @@ class OptimizedTrainer:
             internals.unscale_loss_for_distribution(logged), sample_weight=batch_size
         )
         if record is not None:
-            self._compile_loss.record(record.values, batch_size)
+            self._compile_loss.record(record.values)
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     # --------------------------------------------------------------------------- distribution

@@ -521,27 +521,34 @@ def _class_and_value_heads(cls):
     return cls(i, [p, keras.layers.Dense(1, name="q")(h)])
 
 
-def test_per_output_losses_weight_a_partial_last_batch_by_its_size():
-    """40 samples in batches of 16, 16, 8. Keras' graph step weights each output's loss by the
-    static batch dimension (None there, so the last batch counts like a full one); its eager
-    step by the batch size, as `loss` itself. Ours is the eager number in graph mode."""
+@pytest.mark.parametrize("steps_per_execution", [1, 2])
+def test_per_output_losses_of_a_partial_last_batch_are_keras_in_graph_and_eager_mode(
+    steps_per_execution,
+):
+    """40 samples in batches of 16, 16, 8. Keras' `CompileLoss` weights each `{output}_loss`
+    update by the prediction's *static* batch dimension: `None` in its graph step (each batch
+    counts once), the batch's size in its eager step. That is Keras' definition of the logged
+    value, not a bug (issue 29): ours matches it on both paths, exactly."""
     x, _ = rng_data(40)
     labels = np.random.default_rng(1).integers(0, 3, 40)
     targets = np.random.default_rng(2).normal(size=(40, 1)).astype("float32")
-    compile_kwargs = {"optimizer": "sgd", "loss": ["sparse_categorical_crossentropy", "mse"]}
+    compile_kwargs = {
+        "optimizer": "sgd",
+        "loss": ["sparse_categorical_crossentropy", "mse"],
+        "steps_per_execution": steps_per_execution,
+    }
     fit = ((x, [labels, targets]), {"batch_size": 16, "epochs": 2})
-    eager = fit_pair(_class_and_value_heads, dict(compile_kwargs, run_eagerly=True), *fit)[0]
-    graph, ours = fit_pair(_class_and_value_heads, compile_kwargs, *fit)
-    assert_same((eager, ours))
-    for a, b in zip(graph[1].get_weights(), ours[1].get_weights()):
-        np.testing.assert_allclose(b, a, atol=1e-6)
-    history = ours[0]
+    graph = fit_pair(_class_and_value_heads, compile_kwargs, *fit)
+    assert_same(graph, atol=0)
+    eager = fit_pair(_class_and_value_heads, dict(compile_kwargs, run_eagerly=True), *fit)
+    assert_same(eager, atol=1e-6)
+    # the partial last batch shows: graph and eager per-output logs differ (loss does not)
+    (h_graph, _), (h_eager, _) = graph[1], eager[1]
+    assert not np.allclose(h_graph["q_loss"], h_eager["q_loss"], rtol=1e-3)
+    np.testing.assert_allclose(h_graph["loss"], h_eager["loss"], rtol=1e-5)
     np.testing.assert_allclose(
-        np.add(history["p_loss"], history["q_loss"]), history["loss"], rtol=1e-6
+        np.add(h_eager["p_loss"], h_eager["q_loss"]), h_eager["loss"], rtol=1e-5
     )
-    # The reference itself: if Keras' graph step stops differing from its eager step, the
-    # README's deviation 4 can go.
-    assert not np.allclose(graph[0]["q_loss"], history["q_loss"], rtol=1e-3)
 
 
 def test_unknown_length_data_counts_one_optimizer_step_per_batch():
