@@ -755,7 +755,7 @@ def _per_sample_objective(values, weighting):
 class _LossRecord:
     """What the default `compute_loss` computed, for the step that called it.
 
-    `batch_size`: the global batch's number of samples (the loss trackers' weight).
+    `batch_size`: the global batch's number of samples (the `loss` tracker's weight).
     """
 
     def __init__(self, values, objective, weights, reported, batch_size):
