@@ -4,6 +4,7 @@ Swap `keras.Model` for `OptimizedModel` and keep calling `compile`/`fit`.
 """
 
 from keras_fastloop import (
+    _registry,
     callbacks,
     clipping,
     data,
@@ -15,6 +16,8 @@ from keras_fastloop import (
 )
 from keras_fastloop._step.guards import NonFiniteError
 from keras_fastloop.model import OptimizedModel, OptimizedSequential
+
+_registry.snapshot()  # every serializable class above, for loading after a registry clear
 
 # The one place the version is written: pyproject.toml reads it (setuptools `attr:`) and so
 # does `keras-fastloop --version` (statically, without importing TensorFlow).

@@ -26,6 +26,7 @@ from keras import ops
 from keras_fastloop import _fit_loop as fit_loop
 from keras_fastloop import _keras_internals as internals
 from keras_fastloop import (
+    _registry,
     _resume,  # noqa: F401 - registers exact resume with the fit loop
     mixed_precision,
     tuning,
@@ -433,7 +434,7 @@ class OptimizedTrainer:
         if record is not None and not self.__dict__.get("_fastloop_own_step"):
             # Called from a user's own train_step/test_step: update the `{name}_loss`
             # trackers here, as Keras' CompileLoss does (our steps record after the guards).
-            self._compile_loss.record(values, sync.batch_size)
+            self._compile_loss.record(values)
         object.__setattr__(self, "_loss_record", record)
         if len(terms) == 1:
             return terms[0]
@@ -644,7 +645,7 @@ class OptimizedTrainer:
             internals.unscale_loss_for_distribution(result.loss), sample_weight=result.batch_size
         )
         if result.task_losses is not None:
-            self._compile_loss.record(result.task_losses, result.batch_size)
+            self._compile_loss.record(result.task_losses)
         if self._step_metrics.objective is not None and result.objective is not None:
             self._step_metrics.objective.update_state(
                 internals.unscale_loss_for_distribution(result.objective),
@@ -660,7 +661,7 @@ class OptimizedTrainer:
             internals.unscale_loss_for_distribution(logged), sample_weight=batch_size
         )
         if record is not None:
-            self._compile_loss.record(record.values, batch_size)
+            self._compile_loss.record(record.values)
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     # --------------------------------------------------------------------------- distribution
@@ -727,7 +728,10 @@ class OptimizedTrainer:
         config = dict(config)
         task_names = config.pop("task_names", None)
         task_weights = config.pop("task_weights", None)
-        config = internals.serialization_lib.deserialize_keras_object(config)
+        # Our own objects (clipping, weighting, ...) resolve even after
+        # `keras.saving.get_custom_objects().clear()`.
+        with keras.saving.custom_object_scope(_registry.library_objects()):
+            config = internals.serialization_lib.deserialize_keras_object(config)
         self.compile(**config)
         if task_names is not None:
             self._build_weighting((task_names, task_weights))
@@ -751,7 +755,7 @@ def _per_sample_objective(values, weighting):
 class _LossRecord:
     """What the default `compute_loss` computed, for the step that called it.
 
-    `batch_size`: the global batch's number of samples (the loss trackers' weight).
+    `batch_size`: the global batch's number of samples (the `loss` tracker's weight).
     """
 
     def __init__(self, values, objective, weights, reported, batch_size):

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import keras
 
 from keras_fastloop import _keras_internals as internals
+from keras_fastloop import _registry
 from keras_fastloop._trainer import OptimizedTrainer
 
 if TYPE_CHECKING:
@@ -27,8 +28,9 @@ def _functional_variant(cls):
     `keras.Model` supports functional construction of a subclass by rewriting the subclass'
     `__bases__` in place (`inject_functional_model_class`), which would break every later
     subclassed (non-functional) use of `OptimizedModel` in the same process. Building a
-    separate class leaves `OptimizedModel` untouched. The variant is registered under the same
-    name as `cls` so saved models load back as `cls`.
+    separate class leaves `OptimizedModel` untouched. The variant has `cls`' name (and is
+    registered under `cls`' registered name, where a user registered `cls`), so saved models
+    load back as `cls`.
     """
     if cls not in _FUNCTIONAL_VARIANTS:
         variant = type(
@@ -49,7 +51,7 @@ def _functional_variant(cls):
     return _FUNCTIONAL_VARIANTS[cls]
 
 
-@keras.saving.register_keras_serializable(package="keras_fastloop")
+@_registry.register_model_class
 class OptimizedModel(OptimizedTrainer, keras.Model):
     """A `keras.Model` whose `train_step`/`test_step` carry an expert's training loop.
 
@@ -75,9 +77,11 @@ class OptimizedModel(OptimizedTrainer, keras.Model):
     """
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Self:
-        if internals.functional_init_arguments(args, kwargs) and not issubclass(
-            cls, internals.Functional
-        ):
+        # As `keras.Model.__new__`: only the class itself turns `(inputs, outputs)` into a
+        # functional model here. A subclass' constructor arguments are its own (a VAE's
+        # `(encoder, decoder)`); it becomes functional in `__init__`, when its own `__init__`
+        # passes inputs and outputs on to `super().__init__`, as in `keras.Model.__init__`.
+        if cls is OptimizedModel and internals.functional_init_arguments(args, kwargs):
             cls = _functional_variant(cls)
         return super().__new__(cls, *args, **kwargs)
 
@@ -96,7 +100,7 @@ class OptimizedModel(OptimizedTrainer, keras.Model):
             super().__init__(*args, **kwargs)
 
 
-@keras.saving.register_keras_serializable(package="keras_fastloop")
+@_registry.register_model_class
 class OptimizedSequential(OptimizedTrainer, keras.Sequential):
     """A `keras.Sequential` with `OptimizedModel`'s training step.
 
@@ -110,10 +114,3 @@ class OptimizedSequential(OptimizedTrainer, keras.Sequential):
         >>> model = OptimizedSequential([keras.Input((8,)), keras.layers.Dense(1)])
         >>> model.compile("sgd", "mse", gradient_clipping=1.0)
     """
-
-
-# Legacy `.h5` files store a model's bare class name (`model.__class__.__name__`), which
-# `keras.saving.load_model` then looks up among the custom objects: register it there too.
-keras.saving.get_custom_objects().update(
-    {"OptimizedModel": OptimizedModel, "OptimizedSequential": OptimizedSequential}
-)

@@ -14,6 +14,7 @@ import tensorflow as tf
 from _helpers import two_replica_strategy
 
 import keras_fastloop as kf
+from keras_fastloop._keras_internals import Functional
 from keras_fastloop._warnings import FastloopWarning
 
 
@@ -520,27 +521,34 @@ def _class_and_value_heads(cls):
     return cls(i, [p, keras.layers.Dense(1, name="q")(h)])
 
 
-def test_per_output_losses_weight_a_partial_last_batch_by_its_size():
-    """40 samples in batches of 16, 16, 8. Keras' graph step weights each output's loss by the
-    static batch dimension (None there, so the last batch counts like a full one); its eager
-    step by the batch size, as `loss` itself. Ours is the eager number in graph mode."""
+@pytest.mark.parametrize("steps_per_execution", [1, 2])
+def test_per_output_losses_of_a_partial_last_batch_are_keras_in_graph_and_eager_mode(
+    steps_per_execution,
+):
+    """40 samples in batches of 16, 16, 8. Keras' `CompileLoss` weights each `{output}_loss`
+    update by the prediction's *static* batch dimension: `None` in its graph step (each batch
+    counts once), the batch's size in its eager step. That is Keras' definition of the logged
+    value, not a bug (issue 29): ours matches it on both paths, exactly."""
     x, _ = rng_data(40)
     labels = np.random.default_rng(1).integers(0, 3, 40)
     targets = np.random.default_rng(2).normal(size=(40, 1)).astype("float32")
-    compile_kwargs = {"optimizer": "sgd", "loss": ["sparse_categorical_crossentropy", "mse"]}
+    compile_kwargs = {
+        "optimizer": "sgd",
+        "loss": ["sparse_categorical_crossentropy", "mse"],
+        "steps_per_execution": steps_per_execution,
+    }
     fit = ((x, [labels, targets]), {"batch_size": 16, "epochs": 2})
-    eager = fit_pair(_class_and_value_heads, dict(compile_kwargs, run_eagerly=True), *fit)[0]
-    graph, ours = fit_pair(_class_and_value_heads, compile_kwargs, *fit)
-    assert_same((eager, ours))
-    for a, b in zip(graph[1].get_weights(), ours[1].get_weights()):
-        np.testing.assert_allclose(b, a, atol=1e-6)
-    history = ours[0]
+    graph = fit_pair(_class_and_value_heads, compile_kwargs, *fit)
+    assert_same(graph, atol=0)
+    eager = fit_pair(_class_and_value_heads, dict(compile_kwargs, run_eagerly=True), *fit)
+    assert_same(eager, atol=1e-6)
+    # the partial last batch shows: graph and eager per-output logs differ (loss does not)
+    (h_graph, _), (h_eager, _) = graph[1], eager[1]
+    assert not np.allclose(h_graph["q_loss"], h_eager["q_loss"], rtol=1e-3)
+    np.testing.assert_allclose(h_graph["loss"], h_eager["loss"], rtol=1e-5)
     np.testing.assert_allclose(
-        np.add(history["p_loss"], history["q_loss"]), history["loss"], rtol=1e-6
+        np.add(h_eager["p_loss"], h_eager["q_loss"]), h_eager["loss"], rtol=1e-5
     )
-    # The reference itself: if Keras' graph step stops differing from its eager step, the
-    # README's deviation 4 can go.
-    assert not np.allclose(graph[0]["q_loss"], history["q_loss"], rtol=1e-3)
 
 
 def test_unknown_length_data_counts_one_optimizer_step_per_batch():
@@ -906,3 +914,189 @@ def test_compile_config_keeps_the_features_that_are_on(tmp_path):
     model.save(path)
     loaded = keras.models.load_model(path)
     assert loaded.loss_weighting.name == "uw" and loaded.gradient_clipping is not None
+
+
+# ------------------------------------ issue 29: a subclass' constructor arguments are its own
+
+
+def _constructor_shapes(base):
+    """One subclass of `base` per constructor shape; `build(name)` makes it, seeded."""
+
+    def encoder():
+        i = keras.Input((4,))
+        return keras.Model(i, keras.layers.Dense(3, activation="tanh")(i))
+
+    def decoder():
+        i = keras.Input((3,))
+        return keras.Model(i, keras.layers.Dense(1)(i))
+
+    class TwoModels(base):  # keras-io's VAE(encoder, decoder)
+        def __init__(self, encoder, decoder, **kwargs):
+            super().__init__(**kwargs)
+            self.encoder, self.decoder = encoder, decoder
+
+        def call(self, x):
+            return self.decoder(self.encoder(x))
+
+    class ThreeParts(base):
+        def __init__(self, encoder, decoder, scale, **kwargs):
+            super().__init__(**kwargs)
+            self.encoder, self.decoder, self.scale = encoder, decoder, scale
+
+        def call(self, x):
+            return self.scale * self.decoder(self.encoder(x))
+
+    class KeywordOnly(base):
+        def __init__(self, *, encoder, decoder, **kwargs):
+            super().__init__(**kwargs)
+            self.encoder, self.decoder = encoder, decoder
+
+        def call(self, x):
+            return self.decoder(self.encoder(x))
+
+    class PassesInputsOutputs(base):  # functional: its __init__ hands them to super()
+        def __init__(self, units, **kwargs):
+            i = keras.Input((4,))
+            super().__init__(inputs=i, outputs=keras.layers.Dense(units)(i), **kwargs)
+
+    class TensorsOwnUse(base):  # two tensors as its own arguments: not functional
+        def __init__(self, a, b, **kwargs):
+            super().__init__(**kwargs)
+            self.shapes = (tuple(a.shape), tuple(b.shape))
+            self.dense = keras.layers.Dense(1)
+
+        def call(self, x):
+            return self.dense(x)
+
+    class NoInit(base):  # the base's own (inputs, outputs) constructor
+        pass
+
+    def functional_args():
+        i = keras.Input((4,))
+        return i, keras.layers.Dense(1)(keras.layers.Dense(3, activation="tanh")(i))
+
+    builders = {
+        "(a, b)": lambda: TwoModels(encoder(), decoder()),
+        "(a, b, c)": lambda: ThreeParts(encoder(), decoder(), 0.5),
+        "keyword-only": lambda: KeywordOnly(encoder=encoder(), decoder=decoder()),
+        "(units) -> super(inputs=, outputs=)": lambda: PassesInputsOutputs(1),
+        "(a, b) tensors, own use": lambda: TensorsOwnUse(*functional_args()),
+        "subclass(inputs, outputs)": lambda: NoInit(*functional_args()),
+        "subclass(inputs=, outputs=)": lambda: NoInit(
+            **dict(zip(("inputs", "outputs"), functional_args()))
+        ),
+        "base(inputs, outputs)": lambda: base(*functional_args()),
+        "base(inputs=, outputs=)": lambda: base(
+            **dict(zip(("inputs", "outputs"), functional_args()))
+        ),
+    }
+
+    def build(name):
+        keras.utils.set_random_seed(11)
+        return builders[name]()
+
+    return builders, build
+
+
+@pytest.mark.parametrize("shape", list(_constructor_shapes(keras.Model)[0]))
+def test_every_constructor_shape_builds_and_fits_like_keras(shape):
+    """keras-io's VAE(encoder, decoder) failed with "Functional.__init__() missing 2 required
+    positional arguments": `__new__` took any subclass' two positional arguments for
+    (inputs, outputs). Functional-ness is now decided where Keras decides it."""
+    x, y = rng_data()
+    results = []
+    for base in (keras.Model, kf.OptimizedModel):
+        model = _constructor_shapes(base)[1](shape)
+        model.compile(keras.optimizers.SGD(0.05), "mse")
+        history = model.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False).history
+        results.append((isinstance(model, Functional), history, model))
+    (f_ref, h_ref, m_ref), (f, h, m) = results
+    assert f == f_ref
+    assert isinstance(m, kf.OptimizedModel)
+    assert h == h_ref
+    for a, b in zip(m_ref.get_weights(), m.get_weights()):
+        np.testing.assert_array_equal(b, a)
+    assert kf.OptimizedModel.__bases__ == (kf.model.OptimizedTrainer, keras.Model)
+
+
+# ----------------------------------- issue 29: loading after Keras' registry has been cleared
+
+
+@pytest.fixture
+def cleared_registry():
+    """`keras.saving.get_custom_objects().clear()`, as keras-io's serialization guide does;
+    the registry is restored afterwards for the other tests."""
+    registry = keras.saving.get_custom_objects()
+    saved = dict(registry)
+    registry.clear()
+    try:
+        yield
+    finally:
+        registry.clear()
+        registry.update(saved)
+
+
+CUSTOM = {"OptimizedModel": kf.OptimizedModel, "OptimizedSequential": kf.OptimizedSequential}
+
+
+def _saved_models(tmp_path):
+    x, y = rng_data()
+    i = keras.Input((4,))
+    functional = kf.OptimizedModel(i, keras.layers.Dense(1)(i))
+    sequential = kf.OptimizedSequential([keras.Input((4,)), keras.layers.Dense(1)])
+    out = {}
+    for name, model in (("functional", functional), ("sequential", sequential)):
+        # a loss object: Keras 3.15 cannot reload a string loss from .h5 (keras.Model too);
+        # gradient_clipping: one of our own objects in the compile config
+        model.compile("sgd", keras.losses.MeanSquaredError(), gradient_clipping=1.0)
+        model.fit(x, y, verbose=0)
+        for ext in ("keras", "h5"):
+            model.save(str(tmp_path / f"{name}.{ext}"))
+        out[name] = (model, model.to_json())
+    return x, out
+
+
+@pytest.mark.parametrize("how", ["custom_objects", "custom_object_scope", "model_from_json", "h5"])
+def test_saved_models_load_after_the_registry_is_cleared(tmp_path, how, request):
+    x, saved = _saved_models(tmp_path)
+    request.getfixturevalue("cleared_registry")
+    for name, (model, json) in saved.items():
+        if how == "custom_objects":
+            loaded = keras.saving.load_model(str(tmp_path / f"{name}.keras"), custom_objects=CUSTOM)
+        elif how == "custom_object_scope":
+            with keras.saving.custom_object_scope(CUSTOM):
+                loaded = keras.saving.load_model(str(tmp_path / f"{name}.keras"))
+        elif how == "model_from_json":
+            loaded = keras.models.model_from_json(json, custom_objects=CUSTOM)
+            loaded.set_weights(model.get_weights())
+        else:
+            loaded = keras.saving.load_model(str(tmp_path / f"{name}.h5"), custom_objects=CUSTOM)
+        assert type(loaded).__name__ == type(model).__name__, name
+        expected = kf.OptimizedSequential if name == "sequential" else kf.OptimizedModel
+        assert isinstance(loaded, expected), name
+        np.testing.assert_array_equal(loaded.predict(x, verbose=0), model.predict(x, verbose=0))
+        if how in ("custom_objects", "custom_object_scope"):  # compile config: our clipping too
+            assert isinstance(loaded.gradient_clipping, kf.clipping.ClipByGlobalNorm), name
+
+
+def test_a_bare_load_after_the_registry_is_cleared_names_the_class(tmp_path, cleared_registry):
+    """Keras finds a library's classes only through the registry or `custom_objects`: after
+    `clear()` a bare `load_model` fails as for any custom class, naming the class to pass."""
+    keras.saving.get_custom_objects().update(CUSTOM)  # for the save only
+    _saved_models(tmp_path)
+    keras.saving.get_custom_objects().clear()
+    with pytest.raises(TypeError, match="Could not locate class 'OptimizedModel'"):
+        keras.saving.load_model(str(tmp_path / "functional.keras"))
+
+
+def test_classes_serialize_under_their_bare_names_and_old_names_still_load():
+    i = keras.Input((4,))
+    model = kf.OptimizedModel(i, keras.layers.Dense(1)(i))
+    assert keras.saving.get_registered_name(type(model)) == "OptimizedModel"
+    assert keras.saving.get_registered_name(kf.OptimizedSequential) == "OptimizedSequential"
+    # a file written before issue 29 names the class "keras_fastloop>OptimizedModel"
+    old = model.to_json().replace(
+        '"registered_name": "OptimizedModel"', '"registered_name": "keras_fastloop>OptimizedModel"'
+    )
+    assert old != model.to_json()
+    assert isinstance(keras.models.model_from_json(old), kf.OptimizedModel)

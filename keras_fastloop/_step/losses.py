@@ -47,10 +47,17 @@ class _TaskLossTracker(keras.metrics.Mean):
     def update_state(self, values, sample_weight=None):
         del values, sample_weight
 
-    def record(self, value, batch_size):
+    def record(self, value, weight):
         keras.metrics.Mean.update_state(
-            self, internals.unscale_loss_for_distribution(value), sample_weight=batch_size
+            self, internals.unscale_loss_for_distribution(value), sample_weight=weight
         )
+
+
+def _static_batch_size(y_pred):
+    """What Keras' `CompileLoss` weights a `{name}_loss` update by: the prediction's *static*
+    first dimension (`None` inside a graph traced for batches of any size, when every batch
+    counts once; the batch's size when run eagerly or traced for one size)."""
+    return tree.flatten(y_pred)[0].shape[0]
 
 
 class _Recorder:
@@ -232,6 +239,7 @@ class TaskLoss(internals.CompileLoss):
         self.names = None
         self.static_weights = None
         self._terms = []
+        self._tracker_weights = None
 
     def build(self, y_true, y_pred):
         super().build(y_true, y_pred)
@@ -272,9 +280,16 @@ class TaskLoss(internals.CompileLoss):
         self._terms = []
         self(y_true, y_pred, sample_weight)
         terms, self._terms = self._terms, []
+        self._tracker_weights = [_static_batch_size(t.y_pred) for t in terms]
         return terms
 
-    def record(self, values, batch_size):
-        """Update the `{name}_loss` trackers with unweighted per-replica task losses."""
-        for tracker, value in zip(self.trackers, values):
-            tracker.record(value, batch_size)
+    def record(self, values):
+        """Update the `{name}_loss` trackers with unweighted per-replica task losses.
+
+        Each update is weighted as Keras' `CompileLoss` weights it (by the static batch
+        dimension of the last `evaluate`'s predictions, see `_static_batch_size`), so the logs
+        are `keras.Model`'s in graph and in eager mode, a partial last batch included.
+        """
+        weights = self._tracker_weights or [None] * len(values)
+        for tracker, value, weight in zip(self.trackers, values, weights):
+            tracker.record(value, weight)

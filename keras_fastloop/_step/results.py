@@ -30,8 +30,10 @@ class StepResult:
             `compute_loss` did not call the default one).
         weights: float32 `(T,)` weights the weighting method used, or `None`.
         objective: the weighting method's own objective (what was differentiated), or `None`.
-        batch_size: int32 scalar, samples in the *global* batch (the trackers' sample weight:
-            the replicas' tracker updates then add up to the 1-replica epoch mean).
+        batch_size: int32 scalar, samples in the *global* batch (the `loss` and `objective`
+            trackers' sample weight: the replicas' updates then add up to the 1-replica epoch
+            mean; the `{task}_loss` trackers are weighted as Keras weights them, see
+            `keras_fastloop._step.losses.TaskLoss.record`).
         update_metrics: records the compiled metrics for this batch (called only when the
             update is applied).
         undo_metrics: restores the compiled metrics when they were already updated (micro-batches)
