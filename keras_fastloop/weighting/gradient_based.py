@@ -263,27 +263,33 @@ def gradnorm_update(weights, norms, losses, initial_losses, alpha, learning_rate
 
 
 def nash_mtl_weights(gram, max_iter=20, tolerance=1e-10):
-    """Nash-MTL's bargaining weights: `alpha > 0` with `M_n alpha = 1 / alpha`.
+    """Nash-MTL's bargaining weights: `alpha > 0` with `M alpha = 1 / alpha` (element-wise).
 
-    `M_n = M / |M|_F` (the Gram matrix normalised by its Frobenius norm, as the authors' code
-    does, so that the update `sum_i alpha_i g_i` scales like a gradient: its norm is
-    `sqrt(T |M|_F)`; the un-normalised equation gives norm `sqrt(T)` whatever the
-    gradients). The equation is the stationarity condition of the strictly convex
-    `F(alpha) = alpha^T M_n alpha / 2 - sum_i log alpha_i` on `alpha > 0`, so its solution
-    is `F`'s unique minimiser. It is found by damped Newton steps (`alpha += delta / (1 +
-    lambda)` while the Newton decrement `lambda >= 1/4`, full steps after; every iterate stays
-    positive) from `alpha_i = c / sqrt(M_n,ii)` with the best scalar `c` (exact for
-    orthogonal gradients), stopping when `lambda^2 < tolerance` or after `max_iter` steps.
-    When a convex combination of the gradients is zero (a Pareto-stationary point) no solution
-    exists; the iterates then grow along that combination, which leaves the update bounded.
+    `M` is the raw Gram matrix `G^T G`. Every task's directional improvement is then
+    `<g_i, d> = (M alpha)_i = 1 / alpha_i` and the update `d = sum_i alpha_i g_i` has norm
+    `|d|^2 = alpha^T M alpha = sum_i alpha_i (1 / alpha_i) = T`, whatever the gradients' scale
+    (as the authors' and LibMTL's code compute it: they divide `M` by `n = |M|_F` but multiply
+    `n` back inside their constraint `-log(alpha_i n) - log((M alpha / n)_i) <= 0`).
+
+    For conditioning the equation is solved on `M_n = M / n`: its root `a` (`M_n a = 1 / a`)
+    gives `alpha = a / sqrt(n)`, since `M (a / sqrt(n)) = sqrt(n) M_n a = sqrt(n) / a`. The
+    normalised equation is the stationarity condition of the strictly convex
+    `F(a) = a^T M_n a / 2 - sum_i log a_i` on `a > 0`, so its root is `F`'s unique minimiser.
+    It is found by damped Newton steps (`a += delta / (1 + lambda)` while the Newton decrement
+    `lambda >= 1/4`, full steps after; every iterate stays positive) from `a_i = c / sqrt(M_n,ii)`
+    with the best scalar `c` (exact for orthogonal gradients), stopping when `lambda^2 <
+    tolerance` or after `max_iter` steps. When a convex combination of the gradients is zero (a
+    Pareto-stationary point) no root exists; the iterates then grow along that combination,
+    which leaves the update bounded.
 
     Args:
-        gram: `(T, T)` float32 Gram matrix.
+        gram: `(T, T)` float32 Gram matrix `M = G^T G` of the task gradients.
         max_iter: Newton steps at most (default 20).
         tolerance: stop when the squared Newton decrement is below (default `1e-10`).
 
     Returns:
-        `alpha` of shape `(T,)` (ones when every gradient is zero).
+        `alpha` of shape `(T,)` solving `M alpha = 1 / alpha` (ones when every gradient is
+        zero).
     """
     t = gram.shape[0]
     frobenius = tf.sqrt(tf.reduce_sum(tf.square(gram)))
@@ -307,6 +313,7 @@ def nash_mtl_weights(gram, max_iter=20, tolerance=1e-10):
         return tf.logical_and(i < max_iter, decrement >= tolerance)
 
     _, alpha, _ = tf.while_loop(cond, body, (0, c * d, tf.constant(1.0, gram.dtype)))
+    alpha = alpha * tf.math.rsqrt(tf.where(degenerate, 1.0, frobenius))  # the raw equation's root
     return tf.where(degenerate, tf.ones_like(alpha), alpha)
 
 
@@ -899,26 +906,52 @@ class IMTL(GradientWeighting):
         return alpha * scales
 
 
+def clip_factor(beta, gram, max_norm):
+    """`min(1, max_norm / |d|)` for the update `d = sum_i beta_i g_i` (`|d|^2 = beta^T M beta`).
+
+    `max_norm = 0` (or `None`) gives 1 (no clipping). Unlike `torch.nn.utils.clip_grad_norm_`
+    (`max_norm / (|d| + 1e-6)`) a clipped update has norm `max_norm` exactly.
+    """
+    if not max_norm:
+        return tf.ones((), beta.dtype)
+    norm = tf.sqrt(tf.maximum(tf.reduce_sum(beta * tf.linalg.matvec(gram, beta)), 0.0))
+    return tf.where(norm > max_norm, max_norm / tf.where(norm > 0.0, norm, 1.0), 1.0)
+
+
 @keras.saving.register_keras_serializable(package=_PACKAGE)
 class NashMTL(GradientWeighting):
     """Nash-MTL: the Nash bargaining solution between tasks (`nash_mtl`).
 
-    Algorithm: the update is `sum_i alpha_i g_i` with `alpha > 0` solving
-    `(G^T G) alpha = 1 / alpha` (element-wise), i.e. every task's directional improvement
-    `<g_i, d>` equals `1 / alpha_i` (proportional fairness). `G^T G` is the Gram matrix
-    normalised by its Frobenius norm, as in the authors' code (the update then scales like a
-    gradient; see `nash_mtl_weights`). Solved exactly in-graph by damped Newton
-    iterations on the convex potential whose stationarity condition the equation is (the paper
-    approximates it by a sequence of convex programs with a CVXPY solver, at most 20 of them
-    by default). Heads get weight 1 (the reference code gives them `alpha_i`); the reference's
-    default clipping of the shared gradient to norm 1 is not applied, use
-    `compile(gradient_clipping=...)`.
+    Algorithm: the update of the shared variables is `d = sum_i alpha_i g_i` with `alpha > 0`
+    solving `(G^T G) alpha = 1 / alpha` (element-wise) on the raw Gram matrix, i.e. every
+    task's directional improvement `<g_i, d>` equals `1 / alpha_i` (proportional fairness),
+    and `|d| = sqrt(T)` whatever the gradients' scale, as in the authors' and LibMTL's code.
+    Solved exactly in-graph by damped Newton iterations (on `G^T G / |G^T G|_F` for
+    conditioning, then rescaled; see `nash_mtl_weights`); the paper approximates it by a
+    sequence of convex programs with a CVXPY solver, at most 20 of them by default. Then, as
+    the reference does, the *shared* update is clipped to norm `max_norm` (the heads'
+    gradients are not). The logged weights are `alpha` times that clip factor (the weight each
+    task's shared gradient gets this step). Heads get weight 1 (the reference code gives them
+    `alpha_i`, unclipped); regularization gradients are added after the clip.
+
+    With `update_weights_every=k`, `alpha` is recomputed on applied steps `0, k, 2k, ...` and
+    held in between (a state variable `nash_mtl_alpha`, saved and restored with the model;
+    the clip is applied every step to that step's gradients). The task gradients are still
+    computed every step (the Gram matrix feeds the clip), so `k > 1` saves only the solve.
 
     Args:
         max_iter: positive int, default `20`: Newton steps at most.
+        max_norm: non-negative float or `None`, default `1.0`: clip the shared update to
+            this norm (LibMTL's `max_norm`); `0` or `None` disables the clip.
+        update_weights_every: positive int, default `1`: recompute `alpha` every this many
+            applied steps (LibMTL's `update_weights_every`).
+
+    Raises:
+        ValueError: at construction, for a `max_iter` or `update_weights_every` that is not a
+            positive int, or a negative or non-numeric `max_norm`.
 
     Example:
-        >>> model.compile("adam", losses, loss_weighting="nash_mtl")
+        >>> model.compile("adam", losses, loss_weighting=NashMTL(max_norm=1.0))
 
     Reference:
         Navon, Shamsian, Achituve, Maron, Kawaguchi, Chechik & Fetaya, "Multi-Task Learning as a
@@ -927,15 +960,47 @@ class NashMTL(GradientWeighting):
 
     name = "nash_mtl"
 
-    def __init__(self, max_iter: int = 20) -> None:
+    def __init__(
+        self, max_iter: int = 20, max_norm: float | None = 1.0, update_weights_every: int = 1
+    ) -> None:
         super().__init__()
         self.max_iter = _utils.check_positive_int(max_iter, "max_iter")
+        self.max_norm = (
+            0.0 if max_norm is None else _utils.check_positive(max_norm, "max_norm", True)
+        )
+        self.update_weights_every = _utils.check_positive_int(
+            update_weights_every, "update_weights_every"
+        )
+
+    def build(self, model, state, task_names, static_weights):
+        super().build(model, state, task_names, static_weights)
+        t = (len(task_names),)
+        self.alpha = state_variable(state, "nash_mtl_alpha", t, 1.0)
+        self.pending_alpha = state_variable(state, "nash_mtl_pending_alpha", t, 1.0)
+        self.step = state_variable(state, "nash_mtl_step", (), 0, "int64")
 
     def task_weights(self, gram, losses):
-        return _nash_mtl_weights_xla(gram, self.max_iter)
+        if self.update_weights_every == 1:
+            alpha = _nash_mtl_weights_xla(gram, self.max_iter)
+        else:
+            alpha = tf.cond(
+                tf.equal(self.step % self.update_weights_every, 0),
+                lambda: _nash_mtl_weights_xla(gram, self.max_iter),
+                lambda: tf.identity(self.alpha.value),
+            )
+        self.pending_alpha.assign(alpha)
+        return alpha * clip_factor(alpha, gram, self.max_norm)
+
+    def update(self, losses):
+        self.alpha.assign(self.pending_alpha)
+        self.step.assign_add(1)
 
     def get_config(self):
-        return {"max_iter": self.max_iter}
+        return {
+            "max_iter": self.max_iter,
+            "max_norm": self.max_norm,
+            "update_weights_every": self.update_weights_every,
+        }
 
 
 @keras.saving.register_keras_serializable(package=_PACKAGE)
