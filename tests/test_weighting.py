@@ -325,6 +325,15 @@ def test_multi_task_method_on_single_task_model_fails_at_compile():
         lambda: weighting.FAMO(w_lr=0),
         lambda: weighting.MGDA(solver="qp"),
         lambda: weighting.NashMTL(max_iter=0),
+        lambda: weighting.NashMTL(max_norm=-1.0),
+        lambda: weighting.NashMTL(max_norm="1"),
+        lambda: weighting.NashMTL(update_weights_every=0),
+        lambda: weighting.NashMTL(update_weights_every=1.5),
+        lambda: weighting.AlignedMTL(scale_mode="max"),
+        lambda: weighting.UPGrad(pref_vector="uniform"),
+        lambda: weighting.UPGrad(pref_vector=[1.0, float("nan")]),
+        lambda: weighting.UPGrad(pref_vector=[[0.5, 0.5]]),
+        lambda: weighting.UPGrad(pref_vector=[]),
         lambda: weighting.UPGrad(reg_eps=-1.0),
         lambda: weighting.UPGrad(norm_eps="x"),
         lambda: weighting.UncertaintyWeighting(halved=1),
@@ -333,6 +342,11 @@ def test_multi_task_method_on_single_task_model_fails_at_compile():
 def test_bad_arguments_fail_at_construction(make):
     with pytest.raises(ValueError, match="Received"):
         make()
+
+
+def test_upgrad_pref_vector_of_the_wrong_length_fails_at_compile():
+    with pytest.raises(ValueError, match=r"one entry per task .*Received: pref_vector"):
+        _model().compile("sgd", "mse", loss_weighting=weighting.UPGrad(pref_vector=[1.0] * 3))
 
 
 # one loss per output: Keras itself refuses one loss with two weights (`"mse"` + a weights dict)

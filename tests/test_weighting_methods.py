@@ -568,6 +568,35 @@ def test_aligned_mtl_matches_numpy_svd(seed):
     np.testing.assert_allclose(beta @ g, expected_update, atol=1e-5 * scale)
 
 
+@pytest.mark.parametrize("scale_mode", ["min", "median", "rmse"])
+@pytest.mark.parametrize("tasks", [3, 4])
+def test_aligned_mtl_scale_modes_match_numpy_svd(scale_mode, tasks):
+    rng = np.random.default_rng(tasks)
+    g = rng.normal(size=(tasks, 9)) * rng.uniform(0.2, 3.0, size=(tasks, 1))
+    u, sv, vt = np.linalg.svd(g.T, full_matrices=False)
+    eig = np.sort(sv**2)  # eigenvalues of G^T G, ascending
+    scale = {
+        "min": sv.min(),
+        "median": np.sqrt(eig[(tasks - 1) // 2]),  # torch.median: the lower median
+        "rmse": np.sqrt(eig.mean()),
+    }[scale_mode]
+    expected_update = (scale * u @ vt).sum(axis=1)
+    beta = gb.aligned_mtl_weights(tf.constant(g @ g.T, tf.float32), scale_mode).numpy()
+    np.testing.assert_allclose(
+        beta @ g, expected_update, atol=1e-5 * np.linalg.norm(expected_update)
+    )
+    method = weighting.AlignedMTL(scale_mode=scale_mode)
+    np.testing.assert_allclose(method.task_weights(tf.constant(g @ g.T, tf.float32), None), beta)
+
+
+def test_aligned_mtl_orthogonal_scale_modes_by_hand():
+    # singular values 3, 2, 1: beta_i = s / n_i with s = 1 (min), 2 (median), sqrt(14/3) (rmse)
+    _, gram = _gram([3.0, 0.0, 0.0], [0.0, 2.0, 0.0], [0.0, 0.0, 1.0])
+    n = np.array([3.0, 2.0, 1.0])
+    for mode, s in (("min", 1.0), ("median", 2.0), ("rmse", np.sqrt(14 / 3))):
+        np.testing.assert_allclose(gb.aligned_mtl_weights(gram, mode).numpy(), s / n, rtol=1e-5)
+
+
 # ---------------------------------------------------------------------------------- UPGrad
 
 
@@ -616,6 +645,36 @@ def test_upgrad_matches_float64_enumerated_qp(seed, tasks):
     beta = gb._upgrad_weights_xla(tf.constant(g @ g.T, tf.float32), 1e-4, 1e-4).numpy()
     np.testing.assert_allclose(beta, _upgrad_reference(g), atol=2e-5)
     assert np.all(g @ (beta @ g) >= -1e-5 * np.sum(g**2))  # inside the dual cone
+
+
+@pytest.mark.parametrize("pref", [[0.2, 0.5, 0.3], [1.0, 0.0, 2.0], [0.6, -0.1, 0.5]])
+def test_upgrad_pref_vector_matches_float64_enumerated_qp(pref):
+    rng = np.random.default_rng(11)
+    g = rng.normal(size=(3, 6)) * rng.uniform(0.2, 3.0, size=(3, 1))
+    m = g @ g.T
+    m = m / np.trace(m) + 1e-4 * np.eye(3)
+    expected = sum(_box_qp_reference(m, p * np.eye(3)[i]) for i, p in enumerate(pref))
+    beta = gb._upgrad_weights_xla(tf.constant(g @ g.T, tf.float32), 1e-4, 1e-4, tuple(pref))
+    np.testing.assert_allclose(beta.numpy(), expected, atol=2e-5)
+    method = weighting.UPGrad(pref_vector=pref)
+    np.testing.assert_allclose(
+        method.task_weights(tf.constant(g @ g.T, tf.float32), None).numpy(), expected, atol=2e-5
+    )
+
+
+def test_upgrad_default_pref_vector_is_uniform():
+    g = np.random.default_rng(3).normal(size=(3, 5))
+    gram = tf.constant(g @ g.T, tf.float32)
+    np.testing.assert_allclose(
+        gb.upgrad_weights(gram).numpy(), gb.upgrad_weights(gram, pref_vector=[1 / 3] * 3).numpy()
+    )
+    # without conflict the update is sum_i p_i g_i
+    _, gram = _gram([1.0, 0.0], [1.0, 1.0])
+    np.testing.assert_allclose(
+        gb.upgrad_weights(gram, reg_eps=0.0, pref_vector=[0.25, 2.0]).numpy(),
+        [0.25, 2.0],
+        atol=1e-6,
+    )
 
 
 def test_nonnegative_quadratic_matches_enumeration():

@@ -58,6 +58,7 @@ import tensorflow as tf
 from keras import ops
 
 from keras_fastloop import _keras_internals as internals
+from keras_fastloop import _validation
 from keras_fastloop._step import distributed
 from keras_fastloop._step.state import state_variable
 from keras_fastloop.weighting import _utils
@@ -317,18 +318,25 @@ def nash_mtl_weights(gram, max_iter=20, tolerance=1e-10):
     return tf.where(degenerate, tf.ones_like(alpha), alpha)
 
 
-def aligned_mtl_weights(gram):
-    """Aligned-MTL: the task gradients' matrix with all singular values set to the smallest.
+_ALIGNED_SCALE_MODES = ("min", "median", "rmse")
+
+
+def aligned_mtl_weights(gram, scale_mode="min"):
+    """Aligned-MTL: the task gradients' matrix with all singular values set to one scale.
 
     With `G = [g_1 .. g_T] = U S V^T` (thin SVD over the `r` non-negligible singular
-    values; `M = V S^2 V^T`), the aligned matrix is `sigma_min U V^T = G V (sigma_min /
-    S) V^T` and the update is its column sum, so `beta = V diag(sigma_min / S) V^T 1`.
-    Eigenvalues of `M` at or below `max(eig) * T * eps_float32` are dropped (the rank
-    cut), as in the authors' and LibMTL's code. Computed from `M / trace(M)` (`beta` is
-    scale-free). Zeros when every gradient is zero.
+    values; `M = V S^2 V^T`), the aligned matrix is `sigma U V^T = G V (sigma / S) V^T`
+    and the update is its column sum, so `beta = V diag(sigma / S) V^T 1`. The scale
+    `sigma` follows the authors' `scale_mode`: `"min"` the smallest kept singular value,
+    `"median"` the square root of the median kept eigenvalue of `M` (the lower median for an
+    even count, as `torch.median`), `"rmse"` the square root of their mean. Eigenvalues of
+    `M` at or below `max(eig) * T * eps_float32` are dropped (the rank cut), as in the
+    authors' and LibMTL's code. Computed from `M / trace(M)` (`beta` is scale-free). Zeros
+    when every gradient is zero.
 
     Args:
         gram: `(T, T)` float32 Gram matrix.
+        scale_mode: `"min"` (default), `"median"` or `"rmse"`.
 
     Returns:
         `beta` of shape `(T,)`.
@@ -339,8 +347,21 @@ def aligned_mtl_weights(gram):
     eigenvalues, vectors = tf.linalg.eigh(m)
     keep = eigenvalues > tf.reduce_max(eigenvalues) * t * np.finfo(np.float32).eps
     sigma = tf.sqrt(tf.where(keep, eigenvalues, 1.0))
-    sigma_min = tf.reduce_min(tf.where(keep, sigma, np.inf))
-    coefficients = tf.where(keep, sigma_min / sigma, 0.0)
+    if scale_mode == "min":
+        scale = tf.reduce_min(tf.where(keep, sigma, np.inf))
+    elif scale_mode == "median":
+        rank = tf.reduce_sum(tf.cast(keep, tf.int32))
+        ascending = tf.sort(tf.where(keep, eigenvalues, np.inf))
+        scale = tf.sqrt(tf.gather(ascending, tf.maximum(rank - 1, 0) // 2))
+    elif scale_mode == "rmse":
+        rank = tf.maximum(tf.reduce_sum(tf.cast(keep, gram.dtype)), 1.0)
+        scale = tf.sqrt(tf.reduce_sum(tf.where(keep, eigenvalues, 0.0)) / rank)
+    else:
+        raise ValueError(
+            f"`scale_mode` must be one of {_ALIGNED_SCALE_MODES}. Received: "
+            f"scale_mode={scale_mode!r}"
+        )
+    coefficients = tf.where(keep, scale / sigma, 0.0)
     beta = tf.linalg.matvec(vectors, coefficients * tf.reduce_sum(vectors, axis=0))
     return tf.where(trace > 0.0, beta, tf.zeros_like(beta))
 
@@ -411,13 +432,13 @@ def nonnegative_quadratic(m, c, max_iter=None, tolerance=1e-6):
     return z
 
 
-def upgrad_weights(gram, norm_eps=1e-4, reg_eps=1e-4):
-    """UPGrad: the mean of each task gradient projected onto the dual cone of all of them.
+def upgrad_weights(gram, norm_eps=1e-4, reg_eps=1e-4, pref_vector=None):
+    """UPGrad: each task gradient projected onto the dual cone of all of them, combined.
 
     The dual cone is `{x : <g_j, x> >= 0 for all j}`. By Quinton & Rey's Proposition 1 the
     projection of `sum_j u_j g_j` is `sum_j v_j g_j` with `v = argmin_{v >= u} v^T M v`;
-    UPGrad averages the projections of `g_1 .. g_T` (`u = e_i / T`), so `beta = (1/T)
-    sum_i v^(i)`. As in `torchjd`, `M` is first divided by its trace (set to zero when the
+    UPGrad sums the projections of `p_1 g_1 .. p_T g_T` (`u = p_i e_i`) for the preference
+    vector `p` (default `1/T`, the mean of the projections), so `beta = sum_i v^(i)`. As in `torchjd`, `M` is first divided by its trace (set to zero when the
     trace is below `norm_eps`) and `reg_eps * I` is added; each quadratic program is solved
     exactly by `nonnegative_quadratic` (`v = e_i + z`). Without conflicts
     (`M_ij >= 0`) every projection is the gradient itself and `beta = 1/T`.
@@ -426,20 +447,26 @@ def upgrad_weights(gram, norm_eps=1e-4, reg_eps=1e-4):
         gram: `(T, T)` float32 Gram matrix.
         norm_eps: non-negative float, default `1e-4`.
         reg_eps: non-negative float, default `1e-4`.
+        pref_vector: `None` (default, `1/T` each) or `T` floats, the weights `p` that combine
+            the projections (`torchjd`'s `pref_vector`).
 
     Returns:
         `beta` of shape `(T,)`.
     """
     t = gram.shape[0]
+    if pref_vector is None:
+        pref = tf.fill((t,), tf.constant(1.0 / t, gram.dtype))
+    else:
+        pref = tf.cast(tf.convert_to_tensor(pref_vector), gram.dtype)
     trace = tf.linalg.trace(gram)
     m = tf.where(trace < norm_eps, tf.zeros_like(gram), gram / tf.where(trace > 0.0, trace, 1.0))
     m = m + reg_eps * tf.eye(t, dtype=gram.dtype)
     eye = tf.eye(t, dtype=gram.dtype)
     total = tf.zeros((t,), gram.dtype)
     for i in range(t):
-        z = nonnegative_quadratic(m, tf.linalg.matvec(m, eye[i]))
-        total = total + eye[i] + z
-    return total / t
+        u = pref[i] * eye[i]
+        total = total + u + nonnegative_quadratic(m, tf.linalg.matvec(m, u))
+    return total
 
 
 # The iterative solvers run as one XLA cluster inside the step: a loop of tiny T x T ops costs
@@ -1014,8 +1041,16 @@ class AlignedMTL(GradientWeighting):
     of the Gram matrix (`aligned_mtl_weights`). Orthogonal gradients of norms `n_i` get
     `beta_i = min(n) / n_i`. Heads get weight 1.
 
+    Args:
+        scale_mode: `"min"` (default), `"median"` or `"rmse"`: the common singular value,
+            as the authors' `scale_mode`: the smallest kept one, the square root of the
+            (lower) median or of the mean of the kept eigenvalues of `G^T G`.
+
+    Raises:
+        ValueError: at construction, for another `scale_mode`.
+
     Example:
-        >>> model.compile("adam", losses, loss_weighting="aligned_mtl")
+        >>> model.compile("adam", losses, loss_weighting=AlignedMTL(scale_mode="min"))
 
     Reference:
         Senushkin, Patakin, Kuznetsov & Konushin, "Independent Component Alignment for
@@ -1024,8 +1059,20 @@ class AlignedMTL(GradientWeighting):
 
     name = "aligned_mtl"
 
+    def __init__(self, scale_mode: str = "min") -> None:
+        super().__init__()
+        if scale_mode not in _ALIGNED_SCALE_MODES:
+            raise ValueError(
+                f"`scale_mode` must be one of {_ALIGNED_SCALE_MODES}. "
+                f"Received: scale_mode={scale_mode!r}"
+            )
+        self.scale_mode = scale_mode
+
     def task_weights(self, gram, losses):
-        return aligned_mtl_weights(gram)
+        return aligned_mtl_weights(gram, self.scale_mode)
+
+    def get_config(self):
+        return {"scale_mode": self.scale_mode}
 
 
 @keras.saving.register_keras_serializable(package=_PACKAGE)
@@ -1034,18 +1081,26 @@ class UPGrad(GradientWeighting):
 
     Algorithm: project every task gradient `g_i` onto the dual cone of all of them,
     `{x : <g_j, x> >= 0 for all j}` (so the projection conflicts with no task), and update
-    with the mean of the projections. Each projection is a small quadratic program on the Gram
-    matrix, solved exactly in-graph (`upgrad_weights`); without conflicts the update is
-    the mean gradient (`beta = 1/T`). Heads get weight 1.
+    with their combination by the preference vector `p` (default `1/T` each: their mean).
+    Each projection is a small quadratic program on the Gram matrix, solved exactly in-graph
+    (`upgrad_weights`); without conflicts the update is `sum_i p_i g_i` (`beta = p`).
+    Heads get weight 1.
 
     Args:
+        pref_vector: `None` (default: `1/T` each) or a list of `T` finite floats (`torchjd`'s
+            `pref_vector`), checked against the number of tasks at `compile()`.
         norm_eps: non-negative float, default `1e-4`: a Gram matrix whose trace is below is
             treated as zero (`torchjd`'s default).
         reg_eps: non-negative float, default `1e-4`: `reg_eps * I` is added to the
             trace-normalised Gram matrix (`torchjd`'s default; `0` = the exact projection).
 
+    Raises:
+        ValueError: at construction, for a `pref_vector` that is not a list of finite
+            numbers or negative `norm_eps` / `reg_eps`; at `compile()`, for a `pref_vector`
+            whose length is not the number of tasks.
+
     Example:
-        >>> model.compile("adam", losses, loss_weighting="upgrad")
+        >>> model.compile("adam", losses, loss_weighting=UPGrad(pref_vector=[0.5, 0.5]))
 
     Reference:
         Quinton & Rey, "Jacobian Descent for Multi-Objective Optimization", arXiv:2406.16232,
@@ -1054,13 +1109,39 @@ class UPGrad(GradientWeighting):
 
     name = "upgrad"
 
-    def __init__(self, norm_eps: float = 1e-4, reg_eps: float = 1e-4) -> None:
+    def __init__(
+        self,
+        pref_vector: list[float] | None = None,
+        norm_eps: float = 1e-4,
+        reg_eps: float = 1e-4,
+    ) -> None:
         super().__init__()
+        if pref_vector is not None:
+            values = list(pref_vector) if isinstance(pref_vector, (list, tuple, np.ndarray)) else []
+            ok = bool(values) and all(
+                _validation.is_real(v) and np.isfinite(float(v)) for v in values
+            )
+            if not ok or np.ndim(pref_vector) != 1:
+                raise ValueError(
+                    "`pref_vector` must be None or a list of finite numbers, one per task. "
+                    f"Received: pref_vector={pref_vector!r}"
+                )
+            pref_vector = [float(v) for v in values]
+        self.pref_vector = pref_vector
         self.norm_eps = _utils.check_positive(norm_eps, "norm_eps", allow_zero=True)
         self.reg_eps = _utils.check_positive(reg_eps, "reg_eps", allow_zero=True)
 
+    def check_tasks(self, task_names):
+        super().check_tasks(task_names)
+        if self.pref_vector is not None and len(self.pref_vector) != len(task_names):
+            raise ValueError(
+                f"`pref_vector` must have one entry per task ({len(task_names)} tasks: "
+                f"{list(task_names)}). Received: pref_vector={self.pref_vector!r}"
+            )
+
     def task_weights(self, gram, losses):
-        return _upgrad_weights_xla(gram, self.norm_eps, self.reg_eps)
+        pref = None if self.pref_vector is None else tuple(self.pref_vector)
+        return _upgrad_weights_xla(gram, self.norm_eps, self.reg_eps, pref)
 
     def get_config(self):
-        return {"norm_eps": self.norm_eps, "reg_eps": self.reg_eps}
+        return {"pref_vector": self.pref_vector, "norm_eps": self.norm_eps, "reg_eps": self.reg_eps}
