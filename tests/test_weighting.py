@@ -134,7 +134,8 @@ def test_gradnorm_uses_and_updates_its_weights():
 
 
 _SOLVERS = {
-    "nash_mtl": lambda m: gb.nash_mtl_weights(m),
+    # the default max_norm=1.0 clips the shared update (|G alpha| = sqrt(2) before the clip)
+    "nash_mtl": lambda m: gb.nash_mtl_weights(m) * gb.clip_factor(gb.nash_mtl_weights(m), m, 1.0),
     "aligned_mtl": gb.aligned_mtl_weights,
     "upgrad": gb.upgrad_weights,
     "imtl_g": gb.imtl_weights,
