@@ -395,10 +395,21 @@ def verdict(rows, n_seeds):
     if worse:
         parts.append("worse than `ew`: " + ", ".join(f"`{m}`" for m in worse))
     rest = len(rows) - 1 - len(better) - len(worse)
+    tests = len(rows) - 1
+    strict = [m for m, r in rows.items() if m != "ew" and r["paired_p"] < 0.05 / tests]
+    corrected = (
+        f"After a Bonferroni correction for the {tests} comparisons (p < {0.05 / tests:.4f}) "
+        + (
+            "none remains: at this size the differences are not established."
+            if not strict
+            else "these remain: " + ", ".join(f"`{m}`" for m in strict) + "."
+        )
+    )
     return (
-        f"Beyond the noise (paired t-test over {n_seeds} seeds, p < 0.05), "
+        f"Beyond the noise (paired t-test over {n_seeds} seeds, p < 0.05, uncorrected), "
         + "; ".join(parts)
-        + f". The other {rest} method(s) are within their 95 % interval of `ew`."
+        + f". The other {rest} method(s) are within their 95 % interval of `ew`. "
+        + corrected
     )
 
 
