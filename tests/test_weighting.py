@@ -473,7 +473,7 @@ def _mirrored():
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("method_id", ["pcgrad", "mgda", "uw", "rlw", "ew"])
+@pytest.mark.parametrize("method_id", ["pcgrad", "mgda", "uw", "rlw", "ew", "nash_mtl"])
 def test_two_replicas_equal_one(method_id):
     """Gradient-based weights come from the all-reduced task gradients: exact across replicas."""
     strategy = _mirrored()
@@ -482,6 +482,27 @@ def test_two_replicas_equal_one(method_id):
     for v1, v2 in zip(one.trainable_variables, two.trainable_variables):
         np.testing.assert_allclose(v2.numpy(), v1.numpy(), rtol=1e-5, atol=1e-6)
     assert h2["a_weight"][-1] == pytest.approx(h1["a_weight"][-1], rel=1e-5)
+
+
+@pytest.mark.distributed
+def test_two_replicas_equal_one_nash_mtl_holding_alpha_and_clipping():
+    """The held alpha (step state) and the clip of the shared update are replica-independent."""
+    strategy = _mirrored()
+    x, y = _data(16)
+    runs = []
+    for s in (None, strategy):
+        keras.utils.set_random_seed(1)
+        with s.scope() if s else tf.distribute.get_strategy().scope():
+            model = _model()
+            method = weighting.NashMTL(max_norm=0.05, update_weights_every=3)
+            model.compile(keras.optimizers.SGD(0.05), "mse", loss_weighting=method)
+        history = model.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0).history
+        runs.append((model, history))
+    (one, h1), (two, h2) = runs
+    for v1, v2 in zip(one.trainable_variables, two.trainable_variables):
+        np.testing.assert_allclose(v2.numpy(), v1.numpy(), rtol=1e-5, atol=1e-6)
+    assert h2["a_weight"] == pytest.approx(h1["a_weight"], rel=1e-5)
+    assert int(two.loss_weighting.step.numpy()) == 6
 
 
 @pytest.mark.distributed
