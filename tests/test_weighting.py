@@ -134,7 +134,8 @@ def test_gradnorm_uses_and_updates_its_weights():
 
 
 _SOLVERS = {
-    "nash_mtl": lambda m: gb.nash_mtl_weights(m),
+    # the default max_norm=1.0 clips the shared update (|G alpha| = sqrt(2) before the clip)
+    "nash_mtl": lambda m: gb.nash_mtl_weights(m) * gb.clip_factor(gb.nash_mtl_weights(m), m, 1.0),
     "aligned_mtl": gb.aligned_mtl_weights,
     "upgrad": gb.upgrad_weights,
     "imtl_g": gb.imtl_weights,
@@ -325,6 +326,15 @@ def test_multi_task_method_on_single_task_model_fails_at_compile():
         lambda: weighting.FAMO(w_lr=0),
         lambda: weighting.MGDA(solver="qp"),
         lambda: weighting.NashMTL(max_iter=0),
+        lambda: weighting.NashMTL(max_norm=-1.0),
+        lambda: weighting.NashMTL(max_norm="1"),
+        lambda: weighting.NashMTL(update_weights_every=0),
+        lambda: weighting.NashMTL(update_weights_every=1.5),
+        lambda: weighting.AlignedMTL(scale_mode="max"),
+        lambda: weighting.UPGrad(pref_vector="uniform"),
+        lambda: weighting.UPGrad(pref_vector=[1.0, float("nan")]),
+        lambda: weighting.UPGrad(pref_vector=[[0.5, 0.5]]),
+        lambda: weighting.UPGrad(pref_vector=[]),
         lambda: weighting.UPGrad(reg_eps=-1.0),
         lambda: weighting.UPGrad(norm_eps="x"),
         lambda: weighting.UncertaintyWeighting(halved=1),
@@ -333,6 +343,11 @@ def test_multi_task_method_on_single_task_model_fails_at_compile():
 def test_bad_arguments_fail_at_construction(make):
     with pytest.raises(ValueError, match="Received"):
         make()
+
+
+def test_upgrad_pref_vector_of_the_wrong_length_fails_at_compile():
+    with pytest.raises(ValueError, match=r"one entry per task .*Received: pref_vector"):
+        _model().compile("sgd", "mse", loss_weighting=weighting.UPGrad(pref_vector=[1.0] * 3))
 
 
 # one loss per output: Keras itself refuses one loss with two weights (`"mse"` + a weights dict)
@@ -458,7 +473,7 @@ def _mirrored():
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("method_id", ["pcgrad", "mgda", "uw", "rlw", "ew"])
+@pytest.mark.parametrize("method_id", ["pcgrad", "mgda", "uw", "rlw", "ew", "nash_mtl"])
 def test_two_replicas_equal_one(method_id):
     """Gradient-based weights come from the all-reduced task gradients: exact across replicas."""
     strategy = _mirrored()
@@ -467,6 +482,27 @@ def test_two_replicas_equal_one(method_id):
     for v1, v2 in zip(one.trainable_variables, two.trainable_variables):
         np.testing.assert_allclose(v2.numpy(), v1.numpy(), rtol=1e-5, atol=1e-6)
     assert h2["a_weight"][-1] == pytest.approx(h1["a_weight"][-1], rel=1e-5)
+
+
+@pytest.mark.distributed
+def test_two_replicas_equal_one_nash_mtl_holding_alpha_and_clipping():
+    """The held alpha (step state) and the clip of the shared update are replica-independent."""
+    strategy = _mirrored()
+    x, y = _data(16)
+    runs = []
+    for s in (None, strategy):
+        keras.utils.set_random_seed(1)
+        with s.scope() if s else tf.distribute.get_strategy().scope():
+            model = _model()
+            method = weighting.NashMTL(max_norm=0.05, update_weights_every=3)
+            model.compile(keras.optimizers.SGD(0.05), "mse", loss_weighting=method)
+        history = model.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0).history
+        runs.append((model, history))
+    (one, h1), (two, h2) = runs
+    for v1, v2 in zip(one.trainable_variables, two.trainable_variables):
+        np.testing.assert_allclose(v2.numpy(), v1.numpy(), rtol=1e-5, atol=1e-6)
+    assert h2["a_weight"] == pytest.approx(h1["a_weight"], rel=1e-5)
+    assert int(two.loss_weighting.step.numpy()) == 6
 
 
 @pytest.mark.distributed

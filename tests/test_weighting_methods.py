@@ -8,7 +8,7 @@ import pytest
 import tensorflow as tf
 from scipy.optimize import minimize
 
-from keras_fastloop import weighting
+from keras_fastloop import OptimizedModel, weighting
 from keras_fastloop._step.state import StepState
 from keras_fastloop.weighting import gradient_based as gb
 
@@ -402,33 +402,42 @@ def test_imtl_hybrid_loss_scale_gradient_is_e_s_l_minus_one():
 
 
 def _nash_reference(m):
-    """float64 root of M_n alpha = 1 / alpha (M_n = M / |M|_F), solved in log-space by SciPy."""
+    """float64 root of the raw equation M alpha = 1 / alpha, solved in log-space by SciPy."""
     from scipy.optimize import root
 
-    mn = m / np.linalg.norm(m)
     sol = root(
-        lambda x: mn @ np.exp(x) - np.exp(-x),
-        np.zeros(len(m)),
-        jac=lambda x: mn * np.exp(x)[None, :] + np.diag(np.exp(-x)),
-        tol=1e-13,
+        lambda x: m @ np.exp(x) - np.exp(-x),
+        -0.5 * np.log(np.diag(m)),
+        jac=lambda x: m * np.exp(x)[None, :] + np.diag(np.exp(-x)),
+        tol=1e-14,
     )
     alpha = np.exp(sol.x)
-    np.testing.assert_allclose((mn @ alpha) * alpha, 1.0, rtol=1e-10)  # solved in float64
+    np.testing.assert_allclose((m @ alpha) * alpha, 1.0, rtol=1e-10)  # solved in float64
     return alpha
 
 
 def test_nash_mtl_orthogonal_gradients_by_hand():
-    _, gram = _gram([3.0, 0.0], [0.0, 4.0])  # M = diag(9, 16), |M|_F = sqrt(337)
+    _, gram = _gram([3.0, 0.0], [0.0, 4.0])  # M = diag(9, 16): alpha_i^2 M_ii = 1
     alpha = gb.nash_mtl_weights(gram).numpy()
-    np.testing.assert_allclose(alpha, 337**0.25 / np.array([3.0, 4.0]), rtol=1e-6)
+    np.testing.assert_allclose(alpha, [1 / 3, 1 / 4], rtol=1e-6)
+
+
+def test_nash_mtl_rescaling_solves_the_raw_equation():
+    # the root a of (M / n) a = 1 / a, divided by sqrt(n), is the root of M alpha = 1 / alpha
+    g = np.array([[1.0, 0.5, 0.0], [-0.2, 2.0, 1.0], [0.3, -1.0, 4.0]])
+    m = g @ g.T
+    n = np.linalg.norm(m)
+    normalised = _nash_reference(m / n)
+    np.testing.assert_allclose(normalised / np.sqrt(n), _nash_reference(m), rtol=1e-10)
+    alpha = gb.nash_mtl_weights(tf.constant(m, tf.float32)).numpy()
+    np.testing.assert_allclose(alpha, normalised / np.sqrt(n), rtol=1e-5)
 
 
 def test_nash_mtl_two_tasks_closed_form():
     # a x^2 + b x y = 1 = b x y + c y^2  =>  y = x sqrt(a / c), x = 1 / sqrt(a + b sqrt(a / c))
     g, gram = _gram([1.0, 0.0], [-0.5, 2.0])
     m = (g @ g.T).astype("float64")
-    mn = m / np.linalg.norm(m)
-    a, b, c = mn[0, 0], mn[0, 1], mn[1, 1]
+    a, b, c = m[0, 0], m[0, 1], m[1, 1]
     x = 1.0 / np.sqrt(a + b * np.sqrt(a / c))
     expected = np.array([x, x * np.sqrt(a / c)])
     np.testing.assert_allclose(gb.nash_mtl_weights(gram).numpy(), expected, rtol=1e-5)
@@ -437,16 +446,94 @@ def test_nash_mtl_two_tasks_closed_form():
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("tasks", [3, 6])
-def test_nash_mtl_matches_float64_solve(seed, tasks):
+@pytest.mark.parametrize("scale", [1e-3, 1.0, 1e3])
+def test_nash_mtl_matches_float64_solve(seed, tasks, scale):
     rng = np.random.default_rng(seed)
-    g = rng.normal(size=(tasks, 10)) * rng.uniform(0.1, 5.0, size=(tasks, 1))
+    g = scale * rng.normal(size=(tasks, 10)) * rng.uniform(0.1, 5.0, size=(tasks, 1))
     m = g @ g.T
     alpha = gb._nash_mtl_weights_xla(tf.constant(m, tf.float32), 20).numpy()
     np.testing.assert_allclose(alpha, _nash_reference(m), rtol=1e-4)
-    mn = m / np.linalg.norm(m)
-    np.testing.assert_allclose((mn @ alpha) * alpha, np.ones(tasks), rtol=1e-4)
-    # the update's norm: |G alpha|^2 = alpha^T M alpha = T |M|_F
-    np.testing.assert_allclose(alpha @ m @ alpha, tasks * np.linalg.norm(m), rtol=1e-4)
+    np.testing.assert_allclose((m @ alpha) * alpha, np.ones(tasks), rtol=1e-4)
+    # the update's norm: |G alpha|^2 = alpha^T M alpha = T, whatever the gradients' scale
+    np.testing.assert_allclose(alpha @ m @ alpha, tasks, rtol=1e-4)
+
+
+def test_nash_mtl_clip_factor():
+    g, gram = _gram([3.0, 0.0], [0.0, 4.0])
+    beta = tf.constant([1.0, 1.0])  # |d| = 5
+    assert float(gb.clip_factor(beta, gram, 1.0)) == pytest.approx(0.2, rel=1e-6)
+    assert float(gb.clip_factor(beta, gram, 10.0)) == 1.0
+    assert float(gb.clip_factor(beta, gram, 0.0)) == 1.0
+
+
+def _nash_model(tasks=3):
+    inputs = keras.Input((4,))
+    h = keras.layers.Dense(3, use_bias=False, name="trunk")(inputs)
+    outputs = {k: keras.layers.Dense(1, use_bias=False, name=k)(h) for k in "abc"[:tasks]}
+    return OptimizedModel(inputs, outputs)
+
+
+def _nash_step(method, seed=0):
+    """One SGD(1) step; returns (G, trunk change, per-task head gradients, logged weights)."""
+    rng = np.random.default_rng(seed)
+    keras.utils.set_random_seed(seed)
+    model = _nash_model()
+    x = rng.normal(size=(6, 4)).astype("float32")
+    y = {k: rng.normal(size=(6, 1)).astype("float32") * 3 for k in "abc"}
+    y["c"] = -y["a"]  # conflicts with task a
+    before = [v.numpy().copy() for v in model.trainable_variables]
+    grads = []
+    for k in "abc":
+        with tf.GradientTape() as tape:
+            loss = keras.losses.MeanSquaredError()(y[k], model(x)[k])
+        grads.append(
+            [g.numpy() for g in tape.gradient(loss, model.trainable_variables) if g is not None]
+        )
+    trunk_index = [v.path for v in model.trainable_variables].index("trunk/kernel")
+    g = np.stack([gr[0].reshape(-1) for gr in grads]).astype("float64")
+    model.compile(keras.optimizers.SGD(1.0), "mse", loss_weighting=method)
+    logs = model.train_on_batch(x, y, return_dict=True)
+    change = before[trunk_index] - model.trainable_variables[trunk_index].numpy()
+    return g, change.reshape(-1), np.array([logs[f"{k}_weight"] for k in "abc"]), model
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_nash_mtl_step_equals_the_raw_equation_before_the_clip(seed):
+    g, change, weights, _ = _nash_step(weighting.NashMTL(max_norm=None), seed)
+    alpha = _nash_reference(g @ g.T)
+    np.testing.assert_allclose(weights, alpha, rtol=2e-4)
+    np.testing.assert_allclose(change, alpha @ g, rtol=2e-4, atol=1e-5)
+    assert np.linalg.norm(change) == pytest.approx(np.sqrt(3.0), rel=2e-4)
+
+
+def test_nash_mtl_step_clips_the_shared_update_to_max_norm():
+    g, change, weights, _ = _nash_step(weighting.NashMTL(max_norm=0.5))
+    alpha = _nash_reference(g @ g.T)
+    expected = alpha @ g * 0.5 / np.sqrt(3.0)  # |G alpha| = sqrt(3) > 0.5
+    np.testing.assert_allclose(change, expected, rtol=2e-4, atol=1e-6)
+    np.testing.assert_allclose(weights, alpha * 0.5 / np.sqrt(3.0), rtol=2e-4)
+    assert np.linalg.norm(change) == pytest.approx(0.5, rel=1e-5)
+
+
+def test_nash_mtl_holds_alpha_between_updates(tmp_path):
+    method = weighting.NashMTL(max_norm=None, update_weights_every=3)
+    _, _, first, model = _nash_step(method)
+    np.testing.assert_allclose(method.alpha.numpy(), first, rtol=1e-6)
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(6, 4)).astype("float32")
+    y = {k: rng.normal(size=(6, 1)).astype("float32") for k in "abc"}
+    for _ in (1, 2):
+        logs = model.train_on_batch(x, y, return_dict=True)
+        np.testing.assert_allclose([logs[f"{k}_weight"] for k in "abc"], first, rtol=1e-6)
+    logs = model.train_on_batch(x, y, return_dict=True)  # step 3: recomputed
+    assert not np.allclose([logs[f"{k}_weight"] for k in "abc"], first, rtol=1e-3)
+    assert int(method.step.numpy()) == 4
+    path = tmp_path / "nash.keras"
+    model.save(path)
+    loaded = keras.saving.load_model(path, safe_mode=True).loss_weighting
+    assert loaded.get_config() == method.get_config()
+    np.testing.assert_allclose(loaded.alpha.numpy(), method.alpha.numpy())
+    assert int(loaded.step.numpy()) == 4
 
 
 def test_nash_mtl_zero_gradients_give_ones():
@@ -479,6 +566,35 @@ def test_aligned_mtl_matches_numpy_svd(seed):
     beta = gb.aligned_mtl_weights(tf.constant(g @ g.T, tf.float32)).numpy()
     scale = np.linalg.norm(expected_update)
     np.testing.assert_allclose(beta @ g, expected_update, atol=1e-5 * scale)
+
+
+@pytest.mark.parametrize("scale_mode", ["min", "median", "rmse"])
+@pytest.mark.parametrize("tasks", [3, 4])
+def test_aligned_mtl_scale_modes_match_numpy_svd(scale_mode, tasks):
+    rng = np.random.default_rng(tasks)
+    g = rng.normal(size=(tasks, 9)) * rng.uniform(0.2, 3.0, size=(tasks, 1))
+    u, sv, vt = np.linalg.svd(g.T, full_matrices=False)
+    eig = np.sort(sv**2)  # eigenvalues of G^T G, ascending
+    scale = {
+        "min": sv.min(),
+        "median": np.sqrt(eig[(tasks - 1) // 2]),  # torch.median: the lower median
+        "rmse": np.sqrt(eig.mean()),
+    }[scale_mode]
+    expected_update = (scale * u @ vt).sum(axis=1)
+    beta = gb.aligned_mtl_weights(tf.constant(g @ g.T, tf.float32), scale_mode).numpy()
+    np.testing.assert_allclose(
+        beta @ g, expected_update, atol=1e-5 * np.linalg.norm(expected_update)
+    )
+    method = weighting.AlignedMTL(scale_mode=scale_mode)
+    np.testing.assert_allclose(method.task_weights(tf.constant(g @ g.T, tf.float32), None), beta)
+
+
+def test_aligned_mtl_orthogonal_scale_modes_by_hand():
+    # singular values 3, 2, 1: beta_i = s / n_i with s = 1 (min), 2 (median), sqrt(14/3) (rmse)
+    _, gram = _gram([3.0, 0.0, 0.0], [0.0, 2.0, 0.0], [0.0, 0.0, 1.0])
+    n = np.array([3.0, 2.0, 1.0])
+    for mode, s in (("min", 1.0), ("median", 2.0), ("rmse", np.sqrt(14 / 3))):
+        np.testing.assert_allclose(gb.aligned_mtl_weights(gram, mode).numpy(), s / n, rtol=1e-5)
 
 
 # ---------------------------------------------------------------------------------- UPGrad
@@ -529,6 +645,36 @@ def test_upgrad_matches_float64_enumerated_qp(seed, tasks):
     beta = gb._upgrad_weights_xla(tf.constant(g @ g.T, tf.float32), 1e-4, 1e-4).numpy()
     np.testing.assert_allclose(beta, _upgrad_reference(g), atol=2e-5)
     assert np.all(g @ (beta @ g) >= -1e-5 * np.sum(g**2))  # inside the dual cone
+
+
+@pytest.mark.parametrize("pref", [[0.2, 0.5, 0.3], [1.0, 0.0, 2.0], [0.6, -0.1, 0.5]])
+def test_upgrad_pref_vector_matches_float64_enumerated_qp(pref):
+    rng = np.random.default_rng(11)
+    g = rng.normal(size=(3, 6)) * rng.uniform(0.2, 3.0, size=(3, 1))
+    m = g @ g.T
+    m = m / np.trace(m) + 1e-4 * np.eye(3)
+    expected = sum(_box_qp_reference(m, p * np.eye(3)[i]) for i, p in enumerate(pref))
+    beta = gb._upgrad_weights_xla(tf.constant(g @ g.T, tf.float32), 1e-4, 1e-4, tuple(pref))
+    np.testing.assert_allclose(beta.numpy(), expected, atol=2e-5)
+    method = weighting.UPGrad(pref_vector=pref)
+    np.testing.assert_allclose(
+        method.task_weights(tf.constant(g @ g.T, tf.float32), None).numpy(), expected, atol=2e-5
+    )
+
+
+def test_upgrad_default_pref_vector_is_uniform():
+    g = np.random.default_rng(3).normal(size=(3, 5))
+    gram = tf.constant(g @ g.T, tf.float32)
+    np.testing.assert_allclose(
+        gb.upgrad_weights(gram).numpy(), gb.upgrad_weights(gram, pref_vector=[1 / 3] * 3).numpy()
+    )
+    # without conflict the update is sum_i p_i g_i
+    _, gram = _gram([1.0, 0.0], [1.0, 1.0])
+    np.testing.assert_allclose(
+        gb.upgrad_weights(gram, reg_eps=0.0, pref_vector=[0.25, 2.0]).numpy(),
+        [0.25, 2.0],
+        atol=1e-6,
+    )
 
 
 def test_nonnegative_quadratic_matches_enumeration():

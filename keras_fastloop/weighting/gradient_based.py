@@ -58,6 +58,7 @@ import tensorflow as tf
 from keras import ops
 
 from keras_fastloop import _keras_internals as internals
+from keras_fastloop import _validation
 from keras_fastloop._step import distributed
 from keras_fastloop._step.state import state_variable
 from keras_fastloop.weighting import _utils
@@ -263,27 +264,33 @@ def gradnorm_update(weights, norms, losses, initial_losses, alpha, learning_rate
 
 
 def nash_mtl_weights(gram, max_iter=20, tolerance=1e-10):
-    """Nash-MTL's bargaining weights: `alpha > 0` with `M_n alpha = 1 / alpha`.
+    """Nash-MTL's bargaining weights: `alpha > 0` with `M alpha = 1 / alpha` (element-wise).
 
-    `M_n = M / |M|_F` (the Gram matrix normalised by its Frobenius norm, as the authors' code
-    does, so that the update `sum_i alpha_i g_i` scales like a gradient: its norm is
-    `sqrt(T |M|_F)`; the un-normalised equation gives norm `sqrt(T)` whatever the
-    gradients). The equation is the stationarity condition of the strictly convex
-    `F(alpha) = alpha^T M_n alpha / 2 - sum_i log alpha_i` on `alpha > 0`, so its solution
-    is `F`'s unique minimiser. It is found by damped Newton steps (`alpha += delta / (1 +
-    lambda)` while the Newton decrement `lambda >= 1/4`, full steps after; every iterate stays
-    positive) from `alpha_i = c / sqrt(M_n,ii)` with the best scalar `c` (exact for
-    orthogonal gradients), stopping when `lambda^2 < tolerance` or after `max_iter` steps.
-    When a convex combination of the gradients is zero (a Pareto-stationary point) no solution
-    exists; the iterates then grow along that combination, which leaves the update bounded.
+    `M` is the raw Gram matrix `G^T G`. Every task's directional improvement is then
+    `<g_i, d> = (M alpha)_i = 1 / alpha_i` and the update `d = sum_i alpha_i g_i` has norm
+    `|d|^2 = alpha^T M alpha = sum_i alpha_i (1 / alpha_i) = T`, whatever the gradients' scale
+    (as the authors' and LibMTL's code compute it: they divide `M` by `n = |M|_F` but multiply
+    `n` back inside their constraint `-log(alpha_i n) - log((M alpha / n)_i) <= 0`).
+
+    For conditioning the equation is solved on `M_n = M / n`: its root `a` (`M_n a = 1 / a`)
+    gives `alpha = a / sqrt(n)`, since `M (a / sqrt(n)) = sqrt(n) M_n a = sqrt(n) / a`. The
+    normalised equation is the stationarity condition of the strictly convex
+    `F(a) = a^T M_n a / 2 - sum_i log a_i` on `a > 0`, so its root is `F`'s unique minimiser.
+    It is found by damped Newton steps (`a += delta / (1 + lambda)` while the Newton decrement
+    `lambda >= 1/4`, full steps after; every iterate stays positive) from `a_i = c / sqrt(M_n,ii)`
+    with the best scalar `c` (exact for orthogonal gradients), stopping when `lambda^2 <
+    tolerance` or after `max_iter` steps. When a convex combination of the gradients is zero (a
+    Pareto-stationary point) no root exists; the iterates then grow along that combination,
+    which leaves the update bounded.
 
     Args:
-        gram: `(T, T)` float32 Gram matrix.
+        gram: `(T, T)` float32 Gram matrix `M = G^T G` of the task gradients.
         max_iter: Newton steps at most (default 20).
         tolerance: stop when the squared Newton decrement is below (default `1e-10`).
 
     Returns:
-        `alpha` of shape `(T,)` (ones when every gradient is zero).
+        `alpha` of shape `(T,)` solving `M alpha = 1 / alpha` (ones when every gradient is
+        zero).
     """
     t = gram.shape[0]
     frobenius = tf.sqrt(tf.reduce_sum(tf.square(gram)))
@@ -307,21 +314,29 @@ def nash_mtl_weights(gram, max_iter=20, tolerance=1e-10):
         return tf.logical_and(i < max_iter, decrement >= tolerance)
 
     _, alpha, _ = tf.while_loop(cond, body, (0, c * d, tf.constant(1.0, gram.dtype)))
+    alpha = alpha * tf.math.rsqrt(tf.where(degenerate, 1.0, frobenius))  # the raw equation's root
     return tf.where(degenerate, tf.ones_like(alpha), alpha)
 
 
-def aligned_mtl_weights(gram):
-    """Aligned-MTL: the task gradients' matrix with all singular values set to the smallest.
+_ALIGNED_SCALE_MODES = ("min", "median", "rmse")
+
+
+def aligned_mtl_weights(gram, scale_mode="min"):
+    """Aligned-MTL: the task gradients' matrix with all singular values set to one scale.
 
     With `G = [g_1 .. g_T] = U S V^T` (thin SVD over the `r` non-negligible singular
-    values; `M = V S^2 V^T`), the aligned matrix is `sigma_min U V^T = G V (sigma_min /
-    S) V^T` and the update is its column sum, so `beta = V diag(sigma_min / S) V^T 1`.
-    Eigenvalues of `M` at or below `max(eig) * T * eps_float32` are dropped (the rank
-    cut), as in the authors' and LibMTL's code. Computed from `M / trace(M)` (`beta` is
-    scale-free). Zeros when every gradient is zero.
+    values; `M = V S^2 V^T`), the aligned matrix is `sigma U V^T = G V (sigma / S) V^T`
+    and the update is its column sum, so `beta = V diag(sigma / S) V^T 1`. The scale
+    `sigma` follows the authors' `scale_mode`: `"min"` the smallest kept singular value,
+    `"median"` the square root of the median kept eigenvalue of `M` (the lower median for an
+    even count, as `torch.median`), `"rmse"` the square root of their mean. Eigenvalues of
+    `M` at or below `max(eig) * T * eps_float32` are dropped (the rank cut), as in the
+    authors' and LibMTL's code. Computed from `M / trace(M)` (`beta` is scale-free). Zeros
+    when every gradient is zero.
 
     Args:
         gram: `(T, T)` float32 Gram matrix.
+        scale_mode: `"min"` (default), `"median"` or `"rmse"`.
 
     Returns:
         `beta` of shape `(T,)`.
@@ -332,8 +347,21 @@ def aligned_mtl_weights(gram):
     eigenvalues, vectors = tf.linalg.eigh(m)
     keep = eigenvalues > tf.reduce_max(eigenvalues) * t * np.finfo(np.float32).eps
     sigma = tf.sqrt(tf.where(keep, eigenvalues, 1.0))
-    sigma_min = tf.reduce_min(tf.where(keep, sigma, np.inf))
-    coefficients = tf.where(keep, sigma_min / sigma, 0.0)
+    if scale_mode == "min":
+        scale = tf.reduce_min(tf.where(keep, sigma, np.inf))
+    elif scale_mode == "median":
+        rank = tf.reduce_sum(tf.cast(keep, tf.int32))
+        ascending = tf.sort(tf.where(keep, eigenvalues, np.inf))
+        scale = tf.sqrt(tf.gather(ascending, tf.maximum(rank - 1, 0) // 2))
+    elif scale_mode == "rmse":
+        rank = tf.maximum(tf.reduce_sum(tf.cast(keep, gram.dtype)), 1.0)
+        scale = tf.sqrt(tf.reduce_sum(tf.where(keep, eigenvalues, 0.0)) / rank)
+    else:
+        raise ValueError(
+            f"`scale_mode` must be one of {_ALIGNED_SCALE_MODES}. Received: "
+            f"scale_mode={scale_mode!r}"
+        )
+    coefficients = tf.where(keep, scale / sigma, 0.0)
     beta = tf.linalg.matvec(vectors, coefficients * tf.reduce_sum(vectors, axis=0))
     return tf.where(trace > 0.0, beta, tf.zeros_like(beta))
 
@@ -404,13 +432,13 @@ def nonnegative_quadratic(m, c, max_iter=None, tolerance=1e-6):
     return z
 
 
-def upgrad_weights(gram, norm_eps=1e-4, reg_eps=1e-4):
-    """UPGrad: the mean of each task gradient projected onto the dual cone of all of them.
+def upgrad_weights(gram, norm_eps=1e-4, reg_eps=1e-4, pref_vector=None):
+    """UPGrad: each task gradient projected onto the dual cone of all of them, combined.
 
     The dual cone is `{x : <g_j, x> >= 0 for all j}`. By Quinton & Rey's Proposition 1 the
     projection of `sum_j u_j g_j` is `sum_j v_j g_j` with `v = argmin_{v >= u} v^T M v`;
-    UPGrad averages the projections of `g_1 .. g_T` (`u = e_i / T`), so `beta = (1/T)
-    sum_i v^(i)`. As in `torchjd`, `M` is first divided by its trace (set to zero when the
+    UPGrad sums the projections of `p_1 g_1 .. p_T g_T` (`u = p_i e_i`) for the preference
+    vector `p` (default `1/T`, the mean of the projections), so `beta = sum_i v^(i)`. As in `torchjd`, `M` is first divided by its trace (set to zero when the
     trace is below `norm_eps`) and `reg_eps * I` is added; each quadratic program is solved
     exactly by `nonnegative_quadratic` (`v = e_i + z`). Without conflicts
     (`M_ij >= 0`) every projection is the gradient itself and `beta = 1/T`.
@@ -419,20 +447,26 @@ def upgrad_weights(gram, norm_eps=1e-4, reg_eps=1e-4):
         gram: `(T, T)` float32 Gram matrix.
         norm_eps: non-negative float, default `1e-4`.
         reg_eps: non-negative float, default `1e-4`.
+        pref_vector: `None` (default, `1/T` each) or `T` floats, the weights `p` that combine
+            the projections (`torchjd`'s `pref_vector`).
 
     Returns:
         `beta` of shape `(T,)`.
     """
     t = gram.shape[0]
+    if pref_vector is None:
+        pref = tf.fill((t,), tf.constant(1.0 / t, gram.dtype))
+    else:
+        pref = tf.cast(tf.convert_to_tensor(pref_vector), gram.dtype)
     trace = tf.linalg.trace(gram)
     m = tf.where(trace < norm_eps, tf.zeros_like(gram), gram / tf.where(trace > 0.0, trace, 1.0))
     m = m + reg_eps * tf.eye(t, dtype=gram.dtype)
     eye = tf.eye(t, dtype=gram.dtype)
     total = tf.zeros((t,), gram.dtype)
     for i in range(t):
-        z = nonnegative_quadratic(m, tf.linalg.matvec(m, eye[i]))
-        total = total + eye[i] + z
-    return total / t
+        u = pref[i] * eye[i]
+        total = total + u + nonnegative_quadratic(m, tf.linalg.matvec(m, u))
+    return total
 
 
 # The iterative solvers run as one XLA cluster inside the step: a loop of tiny T x T ops costs
@@ -899,26 +933,52 @@ class IMTL(GradientWeighting):
         return alpha * scales
 
 
+def clip_factor(beta, gram, max_norm):
+    """`min(1, max_norm / |d|)` for the update `d = sum_i beta_i g_i` (`|d|^2 = beta^T M beta`).
+
+    `max_norm = 0` (or `None`) gives 1 (no clipping). Unlike `torch.nn.utils.clip_grad_norm_`
+    (`max_norm / (|d| + 1e-6)`) a clipped update has norm `max_norm` exactly.
+    """
+    if not max_norm:
+        return tf.ones((), beta.dtype)
+    norm = tf.sqrt(tf.maximum(tf.reduce_sum(beta * tf.linalg.matvec(gram, beta)), 0.0))
+    return tf.where(norm > max_norm, max_norm / tf.where(norm > 0.0, norm, 1.0), 1.0)
+
+
 @keras.saving.register_keras_serializable(package=_PACKAGE)
 class NashMTL(GradientWeighting):
     """Nash-MTL: the Nash bargaining solution between tasks (`nash_mtl`).
 
-    Algorithm: the update is `sum_i alpha_i g_i` with `alpha > 0` solving
-    `(G^T G) alpha = 1 / alpha` (element-wise), i.e. every task's directional improvement
-    `<g_i, d>` equals `1 / alpha_i` (proportional fairness). `G^T G` is the Gram matrix
-    normalised by its Frobenius norm, as in the authors' code (the update then scales like a
-    gradient; see `nash_mtl_weights`). Solved exactly in-graph by damped Newton
-    iterations on the convex potential whose stationarity condition the equation is (the paper
-    approximates it by a sequence of convex programs with a CVXPY solver, at most 20 of them
-    by default). Heads get weight 1 (the reference code gives them `alpha_i`); the reference's
-    default clipping of the shared gradient to norm 1 is not applied, use
-    `compile(gradient_clipping=...)`.
+    Algorithm: the update of the shared variables is `d = sum_i alpha_i g_i` with `alpha > 0`
+    solving `(G^T G) alpha = 1 / alpha` (element-wise) on the raw Gram matrix, i.e. every
+    task's directional improvement `<g_i, d>` equals `1 / alpha_i` (proportional fairness),
+    and `|d| = sqrt(T)` whatever the gradients' scale, as in the authors' and LibMTL's code.
+    Solved exactly in-graph by damped Newton iterations (on `G^T G / |G^T G|_F` for
+    conditioning, then rescaled; see `nash_mtl_weights`); the paper approximates it by a
+    sequence of convex programs with a CVXPY solver, at most 20 of them by default. Then, as
+    the reference does, the *shared* update is clipped to norm `max_norm` (the heads'
+    gradients are not). The logged weights are `alpha` times that clip factor (the weight each
+    task's shared gradient gets this step). Heads get weight 1 (the reference code gives them
+    `alpha_i`, unclipped); regularization gradients are added after the clip.
+
+    With `update_weights_every=k`, `alpha` is recomputed on applied steps `0, k, 2k, ...` and
+    held in between (a state variable `nash_mtl_alpha`, saved and restored with the model;
+    the clip is applied every step to that step's gradients). The task gradients are still
+    computed every step (the Gram matrix feeds the clip), so `k > 1` saves only the solve.
 
     Args:
         max_iter: positive int, default `20`: Newton steps at most.
+        max_norm: non-negative float or `None`, default `1.0`: clip the shared update to
+            this norm (LibMTL's `max_norm`); `0` or `None` disables the clip.
+        update_weights_every: positive int, default `1`: recompute `alpha` every this many
+            applied steps (LibMTL's `update_weights_every`).
+
+    Raises:
+        ValueError: at construction, for a `max_iter` or `update_weights_every` that is not a
+            positive int, or a negative or non-numeric `max_norm`.
 
     Example:
-        >>> model.compile("adam", losses, loss_weighting="nash_mtl")
+        >>> model.compile("adam", losses, loss_weighting=NashMTL(max_norm=1.0))
 
     Reference:
         Navon, Shamsian, Achituve, Maron, Kawaguchi, Chechik & Fetaya, "Multi-Task Learning as a
@@ -927,15 +987,47 @@ class NashMTL(GradientWeighting):
 
     name = "nash_mtl"
 
-    def __init__(self, max_iter: int = 20) -> None:
+    def __init__(
+        self, max_iter: int = 20, max_norm: float | None = 1.0, update_weights_every: int = 1
+    ) -> None:
         super().__init__()
         self.max_iter = _utils.check_positive_int(max_iter, "max_iter")
+        self.max_norm = (
+            0.0 if max_norm is None else _utils.check_positive(max_norm, "max_norm", True)
+        )
+        self.update_weights_every = _utils.check_positive_int(
+            update_weights_every, "update_weights_every"
+        )
+
+    def build(self, model, state, task_names, static_weights):
+        super().build(model, state, task_names, static_weights)
+        t = (len(task_names),)
+        self.alpha = state_variable(state, "nash_mtl_alpha", t, 1.0)
+        self.pending_alpha = state_variable(state, "nash_mtl_pending_alpha", t, 1.0)
+        self.step = state_variable(state, "nash_mtl_step", (), 0, "int64")
 
     def task_weights(self, gram, losses):
-        return _nash_mtl_weights_xla(gram, self.max_iter)
+        if self.update_weights_every == 1:
+            alpha = _nash_mtl_weights_xla(gram, self.max_iter)
+        else:
+            alpha = tf.cond(
+                tf.equal(self.step % self.update_weights_every, 0),
+                lambda: _nash_mtl_weights_xla(gram, self.max_iter),
+                lambda: tf.identity(self.alpha.value),
+            )
+        self.pending_alpha.assign(alpha)
+        return alpha * clip_factor(alpha, gram, self.max_norm)
+
+    def update(self, losses):
+        self.alpha.assign(self.pending_alpha)
+        self.step.assign_add(1)
 
     def get_config(self):
-        return {"max_iter": self.max_iter}
+        return {
+            "max_iter": self.max_iter,
+            "max_norm": self.max_norm,
+            "update_weights_every": self.update_weights_every,
+        }
 
 
 @keras.saving.register_keras_serializable(package=_PACKAGE)
@@ -949,8 +1041,16 @@ class AlignedMTL(GradientWeighting):
     of the Gram matrix (`aligned_mtl_weights`). Orthogonal gradients of norms `n_i` get
     `beta_i = min(n) / n_i`. Heads get weight 1.
 
+    Args:
+        scale_mode: `"min"` (default), `"median"` or `"rmse"`: the common singular value,
+            as the authors' `scale_mode`: the smallest kept one, the square root of the
+            (lower) median or of the mean of the kept eigenvalues of `G^T G`.
+
+    Raises:
+        ValueError: at construction, for another `scale_mode`.
+
     Example:
-        >>> model.compile("adam", losses, loss_weighting="aligned_mtl")
+        >>> model.compile("adam", losses, loss_weighting=AlignedMTL(scale_mode="min"))
 
     Reference:
         Senushkin, Patakin, Kuznetsov & Konushin, "Independent Component Alignment for
@@ -959,8 +1059,20 @@ class AlignedMTL(GradientWeighting):
 
     name = "aligned_mtl"
 
+    def __init__(self, scale_mode: str = "min") -> None:
+        super().__init__()
+        if scale_mode not in _ALIGNED_SCALE_MODES:
+            raise ValueError(
+                f"`scale_mode` must be one of {_ALIGNED_SCALE_MODES}. "
+                f"Received: scale_mode={scale_mode!r}"
+            )
+        self.scale_mode = scale_mode
+
     def task_weights(self, gram, losses):
-        return aligned_mtl_weights(gram)
+        return aligned_mtl_weights(gram, self.scale_mode)
+
+    def get_config(self):
+        return {"scale_mode": self.scale_mode}
 
 
 @keras.saving.register_keras_serializable(package=_PACKAGE)
@@ -969,18 +1081,26 @@ class UPGrad(GradientWeighting):
 
     Algorithm: project every task gradient `g_i` onto the dual cone of all of them,
     `{x : <g_j, x> >= 0 for all j}` (so the projection conflicts with no task), and update
-    with the mean of the projections. Each projection is a small quadratic program on the Gram
-    matrix, solved exactly in-graph (`upgrad_weights`); without conflicts the update is
-    the mean gradient (`beta = 1/T`). Heads get weight 1.
+    with their combination by the preference vector `p` (default `1/T` each: their mean).
+    Each projection is a small quadratic program on the Gram matrix, solved exactly in-graph
+    (`upgrad_weights`); without conflicts the update is `sum_i p_i g_i` (`beta = p`).
+    Heads get weight 1.
 
     Args:
+        pref_vector: `None` (default: `1/T` each) or a list of `T` finite floats (`torchjd`'s
+            `pref_vector`), checked against the number of tasks at `compile()`.
         norm_eps: non-negative float, default `1e-4`: a Gram matrix whose trace is below is
             treated as zero (`torchjd`'s default).
         reg_eps: non-negative float, default `1e-4`: `reg_eps * I` is added to the
             trace-normalised Gram matrix (`torchjd`'s default; `0` = the exact projection).
 
+    Raises:
+        ValueError: at construction, for a `pref_vector` that is not a list of finite
+            numbers or negative `norm_eps` / `reg_eps`; at `compile()`, for a `pref_vector`
+            whose length is not the number of tasks.
+
     Example:
-        >>> model.compile("adam", losses, loss_weighting="upgrad")
+        >>> model.compile("adam", losses, loss_weighting=UPGrad(pref_vector=[0.5, 0.5]))
 
     Reference:
         Quinton & Rey, "Jacobian Descent for Multi-Objective Optimization", arXiv:2406.16232,
@@ -989,13 +1109,39 @@ class UPGrad(GradientWeighting):
 
     name = "upgrad"
 
-    def __init__(self, norm_eps: float = 1e-4, reg_eps: float = 1e-4) -> None:
+    def __init__(
+        self,
+        pref_vector: list[float] | None = None,
+        norm_eps: float = 1e-4,
+        reg_eps: float = 1e-4,
+    ) -> None:
         super().__init__()
+        if pref_vector is not None:
+            values = list(pref_vector) if isinstance(pref_vector, (list, tuple, np.ndarray)) else []
+            ok = bool(values) and all(
+                _validation.is_real(v) and np.isfinite(float(v)) for v in values
+            )
+            if not ok or np.ndim(pref_vector) != 1:
+                raise ValueError(
+                    "`pref_vector` must be None or a list of finite numbers, one per task. "
+                    f"Received: pref_vector={pref_vector!r}"
+                )
+            pref_vector = [float(v) for v in values]
+        self.pref_vector = pref_vector
         self.norm_eps = _utils.check_positive(norm_eps, "norm_eps", allow_zero=True)
         self.reg_eps = _utils.check_positive(reg_eps, "reg_eps", allow_zero=True)
 
+    def check_tasks(self, task_names):
+        super().check_tasks(task_names)
+        if self.pref_vector is not None and len(self.pref_vector) != len(task_names):
+            raise ValueError(
+                f"`pref_vector` must have one entry per task ({len(task_names)} tasks: "
+                f"{list(task_names)}). Received: pref_vector={self.pref_vector!r}"
+            )
+
     def task_weights(self, gram, losses):
-        return _upgrad_weights_xla(gram, self.norm_eps, self.reg_eps)
+        pref = None if self.pref_vector is None else tuple(self.pref_vector)
+        return _upgrad_weights_xla(gram, self.norm_eps, self.reg_eps, pref)
 
     def get_config(self):
-        return {"norm_eps": self.norm_eps, "reg_eps": self.reg_eps}
+        return {"pref_vector": self.pref_vector, "norm_eps": self.norm_eps, "reg_eps": self.reg_eps}
