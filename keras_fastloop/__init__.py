@@ -14,6 +14,7 @@ from keras_fastloop import (
     weighting,
 )
 from keras_fastloop._step.guards import NonFiniteError
+from keras_fastloop._warnings import FastloopWarning
 from keras_fastloop.model import OptimizedModel, OptimizedSequential
 
 # The one place the version is written: pyproject.toml reads it (setuptools `attr:`) and so
@@ -21,6 +22,7 @@ from keras_fastloop.model import OptimizedModel, OptimizedSequential
 __version__ = "0.1.0"
 
 __all__ = [
+    "FastloopWarning",
     "NonFiniteError",
     "OptimizedModel",
     "OptimizedSequential",
