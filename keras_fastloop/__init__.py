@@ -15,6 +15,7 @@ from keras_fastloop import (
     weighting,
 )
 from keras_fastloop._step.guards import NonFiniteError
+from keras_fastloop._warnings import FastloopWarning
 from keras_fastloop.model import OptimizedModel, OptimizedSequential
 
 _registry.snapshot()  # every serializable class above, for loading after a registry clear
@@ -24,6 +25,7 @@ _registry.snapshot()  # every serializable class above, for loading after a regi
 __version__ = "0.1.0"
 
 __all__ = [
+    "FastloopWarning",
     "NonFiniteError",
     "OptimizedModel",
     "OptimizedSequential",

@@ -351,7 +351,19 @@ class OptimizedTrainer:
 
     @property
     def skipped_steps(self):
-        """Variable counting updates skipped for non-finite gradients (over all `fit` calls)."""
+        """Variable (int64 scalar) counting the updates skipped, over all `fit` calls.
+
+        It counts steps skipped for a non-finite loss or gradient and, under dynamic loss
+        scaling, the loss-scale overflows (steps the `LossScaleOptimizer` skips while halving
+        its scale, expected). Skipped steps are never silent: `fit` issues a
+        `FastloopWarning` at the end of each epoch in which steps were skipped (at most once
+        per epoch; `train_on_batch` after each call that skipped one), naming the count, the
+        first skipped optimizer step and the first variable with a non-finite gradient, with
+        overflows counted apart. An epoch with overflows only says so in a message that starts
+        with `"Loss-scale overflows only"`; silence those with
+        `warnings.filterwarnings("ignore", "Loss-scale overflows only")`. Saved with the
+        model's step state (`model.save`, `BackupAndRestore`).
+        """
         return self._fastloop_state.skipped_steps
 
     @property
@@ -595,6 +607,10 @@ class OptimizedTrainer:
         if halted_before is not None:  # steps blocked after a halt were not skipped for NaN
             skipped = ops.logical_and(skipped, ops.logical_not(halted_before))
         self._fastloop_state.skipped_steps.assign_add(ops.cast(skipped, "int64"))
+        guards.record_skip(
+            self._nonfinite, self._fastloop_state, skipped, loss_finite if lso else None,
+            unique_rows, variables, self.optimizer.iterations,
+        )  # fmt: skip
         if self._loss_weighting.has_state_update:
             distributed.cond(applied, self._loss_weighting.update, args=(list(global_losses[1:]),))
         self._record_metrics(result, applied, grad_norm)
@@ -688,9 +704,13 @@ class OptimizedTrainer:
         return fit_loop.fit(self, super().fit, args, kwargs)
 
     def train_on_batch(self, *args, **kwargs):
-        """`keras.Model.train_on_batch`; raises `keras_fastloop.NonFiniteError` under `"raise"`."""
+        """`keras.Model.train_on_batch`; raises `keras_fastloop.NonFiniteError` under `"raise"`.
+
+        Warns (`FastloopWarning`) when the step was skipped, as `fit` does once per epoch.
+        """
         logs = super().train_on_batch(*args, **kwargs)
         guards.raise_if_recorded(self)
+        guards.report_skips(self, "this train_on_batch call")  # a FastloopWarning if skipped
         return logs
 
     def make_train_function(self, force=False):

@@ -1,4 +1,4 @@
-"""Learning-rate schedules that Keras lacks: linear warmup followed by SGDR restarts."""
+"""Learning-rate schedules that Keras lacks: SGDR restarts with an optional linear warmup."""
 
 from __future__ import annotations
 
@@ -22,20 +22,23 @@ _is_int = _validation.is_int
 
 @keras.saving.register_keras_serializable(package="keras_fastloop")
 class WarmupCosineDecayRestarts(keras.optimizers.schedules.LearningRateSchedule):
-    """Linear warmup followed by cosine decay with warm restarts (SGDR).
+    """Cosine decay with warm restarts (SGDR), with an optional linear warmup.
 
-    For `step < warmup_steps` the learning rate rises linearly from
-    `initial_learning_rate` to `warmup_target` (the same formula as the warmup of
-    `keras.optimizers.schedules.CosineDecay`). From `step == warmup_steps` on it is
-    `keras.optimizers.schedules.CosineDecayRestarts(warmup_target, first_decay_steps,
-    t_mul, m_mul, alpha)` evaluated at `step - warmup_steps`: the first cosine period
-    lasts `first_decay_steps`, each later period `t_mul` times longer. As in Keras,
-    `m_mul` scales the cosine part only: period `i` (0-based) starts at
-    `warmup_target * ((1 - alpha) * m_mul**i + alpha)` and every period decays to the
-    same floor `alpha * warmup_target`.
-    The post-warmup part is delegated to Keras' own `CosineDecayRestarts`, so with
-    `warmup_steps=0` this schedule equals it exactly. The schedule is continuous at
-    the end of the warmup: both sides give `warmup_target` there.
+    The signature is `keras.optimizers.schedules.CosineDecayRestarts`', plus the keyword-only
+    warmup of `keras.optimizers.schedules.CosineDecay` (`warmup_target=None`,
+    `warmup_steps=0`). Without a warmup (`warmup_target=None`) the schedule *is*
+    `CosineDecayRestarts(initial_learning_rate, first_decay_steps, t_mul, m_mul, alpha)`,
+    bit for bit. With `warmup_target` set, for `step < warmup_steps` the learning rate rises
+    linearly from `initial_learning_rate` to `warmup_target` (the formula of `CosineDecay`'s
+    warmup); from `step == warmup_steps` on it is `CosineDecayRestarts(warmup_target,
+    first_decay_steps, t_mul, m_mul, alpha)` evaluated at `step - warmup_steps`. As in
+    Keras, `warmup_target` with `warmup_steps=0` starts the decay at `warmup_target`.
+
+    The first cosine period lasts `first_decay_steps`, each later period `t_mul` times
+    longer. As in Keras, `m_mul` scales the cosine part only: period `i` (0-based) starts at
+    `peak * ((1 - alpha) * m_mul**i + alpha)` and every period decays to the same floor
+    `alpha * peak`, where `peak` is `warmup_target` (or `initial_learning_rate` without a
+    warmup). The schedule is continuous at the end of the warmup.
 
     Units: every `*_steps` argument and the `step` the schedule is called with count
     optimizer updates. Caveat: when the optimizer itself accumulates gradients
@@ -46,47 +49,51 @@ class WarmupCosineDecayRestarts(keras.optimizers.schedules.LearningRateSchedule)
     would without accumulation.
 
     Args:
-        initial_learning_rate: Float, >= 0. Learning rate at step 0, where the warmup
-            starts.
-        warmup_target: Float, >= 0. Learning rate reached at the end of the warmup,
-            and the peak of the first cosine period.
-        warmup_steps: Integer, >= 0. Length of the linear warmup in optimizer
-            updates. `0` means no warmup.
-        first_decay_steps: Integer, > 0. Length of the first cosine period in
-            optimizer updates.
+        initial_learning_rate: Float, >= 0. Learning rate at step 0: the peak of the first
+            cosine period without a warmup, where the warmup starts with one.
+        first_decay_steps: Integer, > 0. Length of the first cosine period in optimizer
+            updates.
         t_mul: Float, >= 1. Each period is `t_mul` times longer than the one before.
             Defaults to `2.0`. (Values below 1 would make the periods sum to a finite
             number of steps, after which Keras' formula returns NaN.)
         m_mul: Float, >= 0. Each period's cosine amplitude is `m_mul` times the
             previous one's. Defaults to `1.0`.
-        alpha: Float in [0, 1]. Floor of every period as a fraction of
-            `warmup_target`. Defaults to `0.0`.
-        gradient_accumulation_steps: Integer >= 1 or `None`. Set it to the
+        alpha: Float in [0, 1]. Floor of every period as a fraction of the peak.
+            Defaults to `0.0`.
+        name: String. Name scope of the ops. Defaults to `"WarmupCosineDecayRestarts"`.
+        warmup_target: Keyword-only. Float >= 0 or `None` (default: no warmup). Learning
+            rate reached at the end of the warmup, and the peak of the first cosine period.
+        warmup_steps: Keyword-only. Integer, >= 0. Length of the linear warmup in optimizer
+            updates. Defaults to `0`. Needs `warmup_target` when > 0.
+        gradient_accumulation_steps: Keyword-only. Integer >= 1 or `None`. Set it to the
             optimizer's `gradient_accumulation_steps` so the schedule counts updates
             rather than micro-batches (see above). Defaults to `None` (no conversion).
-        allow_decreasing_warmup: Boolean. Allow `warmup_target < initial_learning_rate`
-            (a linear *decrease* before the cosine part). Defaults to `False`, because
-            that is almost always a swapped pair of arguments.
-        name: String. Name scope of the ops. Defaults to
-            `"WarmupCosineDecayRestarts"`.
+        allow_decreasing_warmup: Keyword-only. Boolean. Allow
+            `warmup_target < initial_learning_rate` (a linear *decrease* before the cosine
+            part). Defaults to `False`, because that is almost always a swapped pair of
+            arguments.
 
     Returns:
         Called with a scalar step (integer or float tensor / Python number), returns
         the learning rate as a scalar float32 tensor.
 
     Raises:
-        ValueError: If an argument is out of range or of the wrong type, or if
-            `warmup_target < initial_learning_rate` without
+        ValueError: If an argument is out of range or of the wrong type (the message says
+            what must hold and `Received: ...`), if `warmup_steps > 0` without
+            `warmup_target`, or if `warmup_target < initial_learning_rate` without
             `allow_decreasing_warmup=True`.
 
     Example:
 
     >>> schedule = WarmupCosineDecayRestarts(
-    ...     initial_learning_rate=0.0, warmup_target=1e-3, warmup_steps=500,
-    ...     first_decay_steps=2000, t_mul=2.0, m_mul=0.8, alpha=0.01)
+    ...     0.0, first_decay_steps=2000, t_mul=2.0, m_mul=0.8, alpha=0.01,
+    ...     warmup_target=1e-3, warmup_steps=500)
     >>> optimizer = keras.optimizers.AdamW(learning_rate=schedule)
     >>> round(float(schedule(250)), 6)  # half-way through the warmup
     0.0005
+    >>> plain = WarmupCosineDecayRestarts(1e-3, first_decay_steps=1000)  # no warmup
+    >>> round(float(plain(0)), 6)
+    0.001
 
     Reference:
         - Loshchilov & Hutter, "SGDR: Stochastic Gradient Descent with Warm Restarts",
@@ -98,15 +105,16 @@ class WarmupCosineDecayRestarts(keras.optimizers.schedules.LearningRateSchedule)
     def __init__(
         self,
         initial_learning_rate: float,
-        warmup_target: float,
-        warmup_steps: int,
         first_decay_steps: int,
         t_mul: float = 2.0,
         m_mul: float = 1.0,
         alpha: float = 0.0,
+        name: str = "WarmupCosineDecayRestarts",
+        *,
+        warmup_target: float | None = None,
+        warmup_steps: int = 0,
         gradient_accumulation_steps: int | None = None,
         allow_decreasing_warmup: bool = False,
-        name: str = "WarmupCosineDecayRestarts",
     ) -> None:
         super().__init__()
         _check(
@@ -118,9 +126,10 @@ class WarmupCosineDecayRestarts(keras.optimizers.schedules.LearningRateSchedule)
             initial_learning_rate,
         )
         _check(
-            _is_number(warmup_target) and math.isfinite(warmup_target) and warmup_target >= 0,
+            warmup_target is None
+            or (_is_number(warmup_target) and math.isfinite(warmup_target) and warmup_target >= 0),
             "warmup_target",
-            "a finite number >= 0",
+            "None or a finite number >= 0",
             warmup_target,
         )
         _check(
@@ -129,6 +138,12 @@ class WarmupCosineDecayRestarts(keras.optimizers.schedules.LearningRateSchedule)
             "an integer >= 0",
             warmup_steps,
         )
+        if warmup_target is None and warmup_steps > 0:
+            raise ValueError(
+                "`warmup_steps > 0` needs a `warmup_target` (the learning rate the warmup "
+                "reaches); pass `warmup_target=...` or `warmup_steps=0`. "
+                f"Received: warmup_target=None, warmup_steps={warmup_steps}"
+            )
         _check(
             _is_int(first_decay_steps) and first_decay_steps > 0,
             "first_decay_steps",
@@ -162,7 +177,11 @@ class WarmupCosineDecayRestarts(keras.optimizers.schedules.LearningRateSchedule)
             allow_decreasing_warmup,
         )
         _check(isinstance(name, str), "name", "a string", name)
-        if warmup_target < initial_learning_rate and not allow_decreasing_warmup:
+        if (
+            warmup_target is not None
+            and warmup_target < initial_learning_rate
+            and not allow_decreasing_warmup
+        ):
             raise ValueError(
                 "`warmup_target` must be >= `initial_learning_rate` (the warmup raises the "
                 "learning rate); pass `allow_decreasing_warmup=True` to warm down on purpose. "
@@ -171,7 +190,7 @@ class WarmupCosineDecayRestarts(keras.optimizers.schedules.LearningRateSchedule)
             )
 
         self.initial_learning_rate = float(initial_learning_rate)
-        self.warmup_target = float(warmup_target)
+        self.warmup_target = None if warmup_target is None else float(warmup_target)
         self.warmup_steps = int(warmup_steps)
         self.first_decay_steps = int(first_decay_steps)
         self.t_mul = float(t_mul)
@@ -182,9 +201,10 @@ class WarmupCosineDecayRestarts(keras.optimizers.schedules.LearningRateSchedule)
         )
         self.allow_decreasing_warmup = allow_decreasing_warmup
         self.name = name
-        # The part after the warmup is exactly Keras' SGDR schedule, shifted.
+        # The part after the warmup is exactly Keras' SGDR schedule (shifted by the warmup).
+        peak = self.initial_learning_rate if self.warmup_target is None else self.warmup_target
         self._restarts = keras.optimizers.schedules.CosineDecayRestarts(
-            self.warmup_target,
+            peak,
             self.first_decay_steps,
             t_mul=self.t_mul,
             m_mul=self.m_mul,
@@ -196,11 +216,11 @@ class WarmupCosineDecayRestarts(keras.optimizers.schedules.LearningRateSchedule)
         with keras.name_scope(self.name):
             if self.gradient_accumulation_steps:
                 step = ops.floor_divide(step, self.gradient_accumulation_steps)
+            if self.warmup_target is None or self.warmup_steps == 0:
+                return self._restarts(step)  # Keras' own schedule, bit for bit
             warmup_target = ops.convert_to_tensor(self.warmup_target)
             dtype = warmup_target.dtype
             step = ops.cast(step, dtype)
-            if self.warmup_steps == 0:
-                return self._restarts(step)
             initial_learning_rate = ops.convert_to_tensor(self.initial_learning_rate, dtype)
             warmup_steps = ops.cast(self.warmup_steps, dtype)
             # Same expression (and operation order) as keras' CosineDecay warmup.

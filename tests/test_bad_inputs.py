@@ -467,7 +467,7 @@ BAD_INPUTS = [
         "sched_target_inf",
         lambda: schedule(warmup_target=float("inf")),
         ValueError,
-        r"`warmup_target` must be a finite number >= 0\. Received: warmup_target=inf",
+        r"`warmup_target` must be None or a finite number >= 0\. Received: warmup_target=inf",
     ),
     (
         "sched_decreasing_warmup",

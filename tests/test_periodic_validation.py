@@ -207,7 +207,11 @@ def test_c12_gradient_accumulation_counts_updates():
     """Accumulation 4, validation every 10 updates, 100 micro-batches: after updates 10, 20."""
     accumulation = 4
     schedule = WarmupCosineDecayRestarts(
-        0.0, 0.01, 0, first_decay_steps=10, gradient_accumulation_steps=accumulation
+        0.0,
+        first_decay_steps=10,
+        warmup_target=0.01,
+        warmup_steps=0,
+        gradient_accumulation_steps=accumulation,
     )
     # x = (1, 1, 1), y = 1000 > prediction 3w: d|y - 3w| / dw_i = -1, so every update
     # moves each weight by exactly the learning rate it used.
@@ -249,7 +253,9 @@ def test_c12_gradient_accumulation_counts_updates():
 
 def test_c12_schedule_without_conversion_restarts_after_10_micro_batches():
     """Keras feeds schedules the micro-batch count: the pitfall the conversion avoids."""
-    schedule = WarmupCosineDecayRestarts(0.0, 0.01, 0, first_decay_steps=10)
+    schedule = WarmupCosineDecayRestarts(
+        0.0, first_decay_steps=10, warmup_target=0.01, warmup_steps=0
+    )
     optimizer = keras.optimizers.SGD(schedule, gradient_accumulation_steps=4)
     variable = keras.Variable(np.zeros(1, "float32"))
     optimizer.build([variable])

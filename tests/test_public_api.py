@@ -8,6 +8,7 @@ import keras_fastloop as kf
 def test_top_level_all():
     assert sorted(kf.__all__) == sorted(
         [
+            "FastloopWarning",
             "NonFiniteError",
             "OptimizedModel",
             "OptimizedSequential",

@@ -100,7 +100,13 @@ def test_matches_numpy_reference(
     initial, target, warmup_steps, first_decay_steps, t_mul, m_mul, alpha
 ):
     schedule = WarmupCosineDecayRestarts(
-        initial, target, warmup_steps, first_decay_steps, t_mul=t_mul, m_mul=m_mul, alpha=alpha
+        initial,
+        first_decay_steps,
+        warmup_target=target,
+        warmup_steps=warmup_steps,
+        t_mul=t_mul,
+        m_mul=m_mul,
+        alpha=alpha,
     )
     steps = np.arange(0, 600, 3)
     expected = [
@@ -120,7 +126,7 @@ def test_matches_numpy_reference(
     ],
 )
 def test_no_warmup_equals_keras_cosine_decay_restarts_exactly(kwargs):
-    ours = WarmupCosineDecayRestarts(0.0, 0.3, 0, **kwargs)
+    ours = WarmupCosineDecayRestarts(0.3, **kwargs)  # Keras' signature and defaults
     keras_schedule = CosineDecayRestarts(0.3, **kwargs)
     steps = np.arange(0, 3000)
     ours_fn = tf.function(lambda s: ours(s))
@@ -135,7 +141,7 @@ def test_no_warmup_equals_keras_cosine_decay_restarts_exactly(kwargs):
 
 
 def test_called_by_an_optimizer_with_its_iterations_variable():
-    schedule = WarmupCosineDecayRestarts(0.0, 0.2, 4, 10)
+    schedule = WarmupCosineDecayRestarts(0.0, 10, warmup_target=0.2, warmup_steps=4)
     optimizer = keras.optimizers.SGD(learning_rate=schedule)
     variable = keras.Variable(np.zeros(2, "float32"))
     optimizer.build([variable])
@@ -149,7 +155,9 @@ def test_called_by_an_optimizer_with_its_iterations_variable():
 
 
 def test_continuous_at_end_of_warmup():
-    schedule = WarmupCosineDecayRestarts(0.001, 0.1, 100, 50, t_mul=2.0, m_mul=0.5, alpha=0.1)
+    schedule = WarmupCosineDecayRestarts(
+        0.001, 50, warmup_target=0.1, warmup_steps=100, t_mul=2.0, m_mul=0.5, alpha=0.1
+    )
     assert float(schedule(100)) == pytest.approx(0.1, rel=1e-7)
     left = float(schedule(100.0 - 1e-3))
     right = float(schedule(100.0 + 1e-3))
@@ -164,8 +172,10 @@ def test_decreasing_warmup_rejected_unless_allowed():
     with pytest.raises(
         ValueError, match="allow_decreasing_warmup.*Received: initial_learning_rate"
     ):
-        WarmupCosineDecayRestarts(0.1, 0.01, 10, 10)
-    schedule = WarmupCosineDecayRestarts(0.1, 0.01, 10, 10, allow_decreasing_warmup=True)
+        WarmupCosineDecayRestarts(0.1, 10, warmup_target=0.01, warmup_steps=10)
+    schedule = WarmupCosineDecayRestarts(
+        0.1, 10, warmup_target=0.01, warmup_steps=10, allow_decreasing_warmup=True
+    )
     np.testing.assert_allclose(values(schedule, [0, 5, 10]), [0.1, 0.055, 0.01], rtol=1e-6)
 
 
@@ -197,12 +207,80 @@ def test_bad_arguments(kwargs, name):
         WarmupCosineDecayRestarts(**args)
 
 
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(first_decay_steps=10),
+        dict(first_decay_steps=10, t_mul=2.0, m_mul=0.5, alpha=0.05),
+        dict(first_decay_steps=3, t_mul=1.0, m_mul=0.9),
+    ],
+)
+def test_no_warmup_is_keras_bit_for_bit_on_float32_steps_across_restarts(kwargs):
+    """Issue 32: `CosineDecayRestarts(1e-3, ...)` -> ours with the same arguments, no warmup."""
+    ours = WarmupCosineDecayRestarts(1e-3, **kwargs)
+    keras_schedule = CosineDecayRestarts(1e-3, **kwargs)
+    steps = tf.range(0, 2000, dtype=tf.float32)  # many restarts for every case
+    got, want = ours(steps), keras_schedule(steps)
+    assert got.dtype == want.dtype == tf.float32
+    assert bool(tf.reduce_all(got == want))
+    for step in (0, 9, 10, 11, 29, 30, 31, 1999):  # scalar float32 steps around restarts
+        s = tf.constant(step, tf.float32)
+        assert bool(ours(s) == keras_schedule(s))
+
+
+def test_signature_is_keras_plus_keyword_only_warmup():
+    import inspect
+
+    keras_params = list(inspect.signature(CosineDecayRestarts).parameters)
+    ours = inspect.signature(WarmupCosineDecayRestarts).parameters
+    positional = [n for n, p in ours.items() if p.kind is p.POSITIONAL_OR_KEYWORD]
+    assert positional == keras_params
+    for name in keras_params[2:]:
+        if name != "name":
+            assert (
+                ours[name].default
+                == inspect.signature(CosineDecayRestarts).parameters[name].default
+            )
+    assert ours["warmup_target"].kind is inspect.Parameter.KEYWORD_ONLY
+    assert ours["warmup_target"].default is None and ours["warmup_steps"].default == 0
+
+
+def test_warmup_steps_without_target_is_refused():
+    with pytest.raises(ValueError, match="needs a `warmup_target`.*Received: warmup_target=None"):
+        WarmupCosineDecayRestarts(1e-3, 100, warmup_steps=10)
+
+
+def test_the_old_positional_order_fails_loudly():
+    # (initial, warmup_target, warmup_steps, first_decay_steps) of versions before issue 32
+    with pytest.raises((ValueError, TypeError)):
+        WarmupCosineDecayRestarts(0.0, 1e-3, 10, 100)
+    with pytest.raises(ValueError, match="`first_decay_steps` must be .* Received"):
+        WarmupCosineDecayRestarts(0.0, 1e-3)
+
+
+def test_no_warmup_config_round_trip():
+    schedule = WarmupCosineDecayRestarts(1e-3, 20, m_mul=0.5)
+    config = schedule.get_config()
+    assert config["warmup_target"] is None and config["warmup_steps"] == 0
+    clone = WarmupCosineDecayRestarts.from_config(config)
+    assert clone.get_config() == config
+    steps = tf.range(0, 200, dtype=tf.float32)
+    assert bool(tf.reduce_all(clone(steps) == schedule(steps)))
+
+
 # --- serialization --------------------------------------------------------------------------
 
 
 def test_config_round_trip():
     schedule = WarmupCosineDecayRestarts(
-        0.001, 0.1, 20, 30, t_mul=1.5, m_mul=0.7, alpha=0.05, gradient_accumulation_steps=2
+        0.001,
+        30,
+        warmup_target=0.1,
+        warmup_steps=20,
+        t_mul=1.5,
+        m_mul=0.7,
+        alpha=0.05,
+        gradient_accumulation_steps=2,
     )
     config = schedule.get_config()
     clone = WarmupCosineDecayRestarts.from_config(config)
@@ -216,7 +294,7 @@ def test_config_round_trip():
 
 
 def test_saved_model_keeps_schedule(tmp_path):
-    schedule = WarmupCosineDecayRestarts(0.0, 0.05, 3, 10, m_mul=0.5)
+    schedule = WarmupCosineDecayRestarts(0.0, 10, warmup_target=0.05, warmup_steps=3, m_mul=0.5)
     model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
     model.compile(optimizer=keras.optimizers.AdamW(learning_rate=schedule), loss="mse")
     model.fit(np.ones((8, 2), "float32"), np.ones((8, 1), "float32"), batch_size=4, verbose=0)
@@ -234,9 +312,9 @@ def test_saved_model_keeps_schedule(tmp_path):
 
 
 def test_gradient_accumulation_steps_counts_updates():
-    base = WarmupCosineDecayRestarts(0.0, 1.0, 3, 10, m_mul=0.5)
+    base = WarmupCosineDecayRestarts(0.0, 10, warmup_target=1.0, warmup_steps=3, m_mul=0.5)
     accumulated = WarmupCosineDecayRestarts(
-        0.0, 1.0, 3, 10, m_mul=0.5, gradient_accumulation_steps=4
+        0.0, 10, warmup_target=1.0, warmup_steps=3, m_mul=0.5, gradient_accumulation_steps=4
     )
     micro_steps = np.arange(0, 200)
     np.testing.assert_array_equal(values(accumulated, micro_steps), values(base, micro_steps // 4))
@@ -246,7 +324,7 @@ def test_gradient_accumulation_steps_counts_updates():
 
 
 def test_learning_rate_logger_reports_schedule_value():
-    schedule = WarmupCosineDecayRestarts(0.0, 0.1, 4, 5)
+    schedule = WarmupCosineDecayRestarts(0.0, 5, warmup_target=0.1, warmup_steps=4)
     model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
     model.compile(optimizer=keras.optimizers.SGD(learning_rate=schedule), loss="mse")
     batch_rates = []

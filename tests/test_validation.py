@@ -54,7 +54,11 @@ def test_numpy_scalars_accepted_by_the_public_constructors(tmp_path):
     validation = kf.callbacks.PeriodicValidation((x, x), every_n_steps=np.int64(2), verbose=0)
     assert validation.every_n_steps == 2 and type(validation.every_n_steps) is int
     schedule = kf.schedules.WarmupCosineDecayRestarts(
-        np.float32(0.0), np.float64(0.1), np.int64(10), np.int64(100), alpha=np.float32(0.0)
+        np.float32(0.0),
+        np.int64(100),
+        warmup_target=np.float64(0.1),
+        warmup_steps=np.int64(10),
+        alpha=np.float32(0.0),
     )
     assert float(schedule(10)) == pytest.approx(0.1)
     assert validate_steps_per_execution(np.int64(4)) == 4

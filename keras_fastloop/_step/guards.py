@@ -1,8 +1,10 @@
 """What the step does with a non-finite gradient: `compile(nonfinite="skip"|"raise"|"terminate")`.
 
 * `"skip"` (default): the whole update is skipped on every replica (weights, optimizer slots,
-  `iterations`) and counted in `skipped_steps`; training goes on. A warning is issued once
-  when more than `SKIP_RATE_WARNING` of an epoch's batches were skipped.
+  `iterations`) and counted in `skipped_steps`; training goes on. A skipped step is never
+  silent: at the end of every epoch in which steps were skipped (and after every
+  `train_on_batch` call that skipped one) a `FastloopWarning` gives their count, the first
+  skipped optimizer step and the first variable whose gradient was not finite (`report_skips`).
 * `"raise"`: the update is skipped, every later update is blocked (also inside the same
   `steps_per_execution` block), the step records the optimizer step and the first variable
   whose gradient is not finite, and `fit` (`train_on_batch`) raises `NonFiniteError`
@@ -34,9 +36,14 @@ from keras import ops
 from keras_fastloop._step.state import state_variable
 from keras_fastloop._warnings import FastloopWarning
 
-SKIP_RATE_WINDOW = 100  # batches in the tests' high/low skip-rate epochs
-SKIP_RATE_WARNING = 0.2
-SKIP_RATE_MIN_SKIPS = 5
+# What the skip report reads (all policies): counts since the last report, and the first
+# skipped step of them, created in `compile()` (`build`) and reset by `report_skips`.
+REPORT_VARIABLES = (
+    ("unreported_skipped_steps", "int64", 0),
+    ("unreported_overflows", "int64", 0),
+    ("first_skipped_step", "int64", -1),
+    ("first_skipped_variable", "int32", -1),
+)
 
 
 class NonFiniteError(FloatingPointError, RuntimeError):
@@ -54,7 +61,14 @@ def build(state, policy):
     `"raise"` records the first fault: `nonfinite_step` (the optimizer step, `-1` for
     none) and `nonfinite_variable` (index of the first variable whose gradient is not finite,
     `-1` when every gradient is finite but the loss is not).
+
+    Every policy gets the variables of the skip report (`REPORT_VARIABLES`): the steps skipped
+    for non-finite values and the loss-scale overflows since the last report, and the first
+    skipped step's optimizer step and variable index (`-1` for none).
     """
+    for name, dtype, value in REPORT_VARIABLES:
+        if not hasattr(state, name):
+            setattr(state, name, state_variable(state, name, value=value, dtype=dtype))
     if policy != "raise" or hasattr(state, "nonfinite_step"):
         return
     for name, dtype in (("nonfinite_step", "int64"), ("nonfinite_variable", "int32")):
@@ -115,36 +129,125 @@ def check(policy, state, finite, loss_finite, grads, variables, iterations):
     return None
 
 
+def record_skip(policy, state, skipped, loss_finite, grads, variables, iterations):
+    """Count a skipped step for the skip report (inside the step).
+
+    Args:
+        policy: the non-finite policy. Under `"raise"`/`"terminate"` a step skipped for a
+            non-finite value halts training and is said by the error or the stop message, so
+            only loss-scale overflows are counted for the report.
+        state: the model's `StepState`.
+        skipped: scalar bool tensor, this step's update was skipped (not blocked by a halt).
+        loss_finite: scalar bool tensor under loss scaling (a skipped step with a finite loss
+            is a loss-scale overflow, expected), else `None`.
+        grads, variables: the unscaled gradients and their variables (to name the first one
+            that is not finite; computed only for the first skipped step of a report).
+        iterations: the optimizer's step counter.
+    """
+    overflow = tf.constant(False) if loss_finite is None else ops.logical_and(skipped, loss_finite)
+    real = ops.logical_and(skipped, ops.logical_not(overflow))
+    if policy != "skip":
+        real = tf.constant(False)
+    object.__setattr__(state, "skipped_paths", [v.path for v in variables])
+    state.unreported_overflows.assign_add(ops.cast(overflow, "int64"))
+    state.unreported_skipped_steps.assign_add(ops.cast(real, "int64"))
+    first = ops.logical_and(real, state.first_skipped_step < 0)
+    index = tf.cond(
+        first, lambda: first_nonfinite_index(grads), lambda: tf.constant(-1, dtype="int32")
+    )
+    step = ops.cast(iterations, "int64")
+    state.first_skipped_step.assign(ops.where(first, step, state.first_skipped_step))
+    state.first_skipped_variable.assign(ops.where(first, index, state.first_skipped_variable))
+
+
+def clear_report(state):
+    """Reset the skip report's counters (eagerly, from Python)."""
+    for name, _, value in REPORT_VARIABLES:
+        getattr(state, name).assign(value)
+
+
+def report_skips(model, when):
+    """Warn about the steps skipped since the last report, then reset the report.
+
+    Called at the end of every epoch of `fit` and after every `train_on_batch`.
+
+    Args:
+        model: the compiled `OptimizedModel`.
+        when: where the steps were skipped, for the message (`"epoch 3"`).
+
+    Returns:
+        `(skipped, overflows)`: the steps skipped for non-finite values and the loss-scale
+        overflows since the last report (`(0, 0)`: no warning).
+
+    Warns:
+        FastloopWarning: when a step was skipped. A non-finite skip names the count, the
+            first skipped optimizer step and the first variable with a non-finite gradient.
+            Loss-scale overflows (a `LossScaleOptimizer` halving its scale, expected under
+            dynamic loss scaling) are counted apart; an epoch with overflows only gets a
+            message that starts with `"Loss-scale overflows"` and says they are expected.
+    """
+    state = model.__dict__.get("_fastloop_state")
+    if state is None or not hasattr(state, "unreported_skipped_steps"):
+        return 0, 0
+    skipped = int(state.unreported_skipped_steps.numpy())
+    overflows = int(state.unreported_overflows.numpy())
+    if not skipped and not overflows:
+        return 0, 0
+    step = int(state.first_skipped_step.numpy())
+    index = int(state.first_skipped_variable.numpy())
+    clear_report(state)
+    total = int(state.skipped_steps.numpy())
+    overflow_text = (
+        f"{overflows} loss-scale overflow{'s' if overflows != 1 else ''} (steps skipped by the "
+        "LossScaleOptimizer's dynamic scaling, which halves the scale: expected under mixed "
+        "precision, not a fault)"
+    )
+    if not skipped:
+        message = (
+            f"Loss-scale overflows only in {when}: {overflow_text}; no step was skipped for "
+            f"non-finite data. `model.skipped_steps` counts both ({total} so far)."
+        )
+    else:
+        paths = state.__dict__.get("skipped_paths") or []
+        if 0 <= index < len(paths):
+            culprit = f"the first variable with a non-finite gradient is '{paths[index]}'"
+        else:
+            culprit = "the loss is not finite (every gradient is finite)"
+        also = f" Besides, {overflow_text}." if overflows else ""
+        message = (
+            f"{skipped} training step{'s' if skipped != 1 else ''} skipped for a non-finite "
+            f"loss or gradient in {when} (compile(nonfinite='skip')): the first at optimizer "
+            f"step {step}, where {culprit}. Their batches were not trained on. Check the "
+            "inputs, labels and sample weights, the learning rate and the loss. "
+            f"`model.skipped_steps` counts every skipped step ({total} so far).{also}"
+        )
+    warnings.warn(message, FastloopWarning, stacklevel=3)
+    return skipped, overflows
+
+
 class NonFiniteMonitor(keras.callbacks.Callback):
     """Internal callback of `OptimizedModel.fit` for the non-finite policy.
 
     For `"skip"` it only looks at epoch ends (no per-batch hook, so Keras keeps dispatching
     batch callbacks asynchronously and the default setup is as fast as plain `fit`): it warns
-    once when more than `SKIP_RATE_WARNING` of an epoch's batches, and at least
-    `SKIP_RATE_MIN_SKIPS` of them, were skipped. For `"terminate"` it also checks after
-    every batch (every execution with `steps_per_execution > 1`) and stops training.
+    once per epoch in which steps were skipped (`report_skips`). For `"terminate"` it also
+    checks after every batch (every execution with `steps_per_execution > 1`) and stops
+    training.
     """
 
     def __init__(self, policy):
         super().__init__()
         self.policy = policy
-        self.warned = False
         if policy == "terminate":
             self.on_train_batch_end = self._stop_if_halted
         if policy == "raise":
             self.on_train_batch_end = lambda batch, logs=None: raise_if_recorded(self.model)
-
-    def _counters(self):
-        return int(self.model.skipped_steps.numpy()), int(self.model.optimizer.iterations.numpy())
 
     def on_train_begin(self, logs=None):
         # A halt ends one fit only (as TerminateOnNaN): the next fit trains again.
         self.model._fastloop_state.halted.assign(False)
         if self.policy == "raise":
             _clear_record(self.model._fastloop_state)
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self.start = self._counters()
 
     def _stop_if_halted(self, batch, logs=None):
         if bool(self.model._fastloop_state.halted.numpy()) and not self.model.stop_training:
@@ -155,19 +258,7 @@ class NonFiniteMonitor(keras.callbacks.Callback):
             )
 
     def on_epoch_end(self, epoch, logs=None):
-        skipped, iterations = self._counters()
-        skipped -= self.start[0]
-        batches = skipped + iterations - self.start[1]
-        rate = skipped / max(batches, 1)
-        if not self.warned and skipped >= SKIP_RATE_MIN_SKIPS and rate > SKIP_RATE_WARNING:
-            self.warned = True
-            warnings.warn(
-                f"{rate:.0%} of the last {batches} training batches had non-finite "
-                "gradients and were skipped (`skipped_steps`); check the learning rate, the "
-                "inputs and the loss.",
-                FastloopWarning,
-                stacklevel=2,
-            )
+        report_skips(self.model, f"epoch {epoch + 1}")
 
 
 def _clear_record(state):
@@ -192,6 +283,7 @@ def raise_if_recorded(model):
     paths = state.__dict__.get("nonfinite_paths") or []
     state.halted.assign(False)
     _clear_record(state)
+    clear_report(state)  # this error says it; overflows before it are not reported apart
     if 0 <= index < len(paths):
         culprit = f"the first variable with a non-finite gradient is '{paths[index]}'"
     else:
