@@ -999,3 +999,17 @@ def test_auto_creates_a_tuner_that_screens_long_steps():
 
     _, state = _glue.resolve_steps_per_execution("auto")
     assert state.tuner.max_seconds_per_step == AUTO_MAX_SECONDS_PER_STEP == 0.05
+
+
+def test_a_retune_after_drift_screens_again_and_never_runs_a_larger_count():
+    # On a loaded machine a long step's rate drifts; the retune must not compile the loop.
+    tuner = StepsPerExecutionTuner(
+        warmup_executions=0, window=1, min_window_seconds=0, max_seconds_per_step=0.05
+    )
+    proposals = []
+    for seconds in (0.08, 0.08, 0.2, 0.2, 0.2):  # long, reference, two drifts, long again
+        proposals.append(tuner.propose())
+        tuner.observe(proposals[-1], seconds)
+    assert set(proposals) == {1}
+    assert ("retune", 1, 5.0) in tuner.history
+    assert tuner.history[-1] == ("settle", 1, "long step") and tuner.phase == "settled"

@@ -140,8 +140,9 @@ class StepsPerExecutionTuner:
             after the start instead of three rungs (`docs/performance.md`). `None`: no cost
             model.
         max_seconds_per_step: float > 0 or `None`, seconds. The first measured execution
-            (after the warm-up ones) runs `initial` steps alone; when its time per step exceeds
-            this, the tuner settles on `initial` at once (reason `"long step"`) and never
+            of every probe (after the warm-up ones; also after a retune) runs the best count
+            alone; when its time per step exceeds
+            this, the tuner settles on that count at once (reason `"long step"`) and never
             proposes a larger count, so `fit` never compiles its multi-step loop: at 50 ms a
             step, a per-execution overhead of ~1 ms is under 2 % of it, while compiling the
             loop costs seconds of the first epoch (issue 30). Defaults to `None`: no
@@ -228,7 +229,6 @@ class StepsPerExecutionTuner:
         )
         # the first measurement runs the initial count alone: a step longer than
         # max_seconds_per_step settles there before any larger count is proposed (or compiled)
-        self._screening = self.max_seconds_per_step is not None
         self.horizon = None
         self.phase = "probing"
         self.candidate = self.best_steps = self.initial
@@ -460,6 +460,9 @@ class StepsPerExecutionTuner:
     def _probe_from(self, best):
         """Starts probing: `best` is the count to beat, the candidate `growth_factor` times it."""
         self.phase = "probing"
+        # every probe (the first, and a retune after drift) first runs the best count alone: a
+        # step longer than max_seconds_per_step settles there before any larger count runs
+        self._screening = self.max_seconds_per_step is not None
         self.best_steps, self.best_rate = min(best, self.cap), None
         self.candidate = min(self.best_steps * self.growth_factor, self.cap)
         self._clear_windows()
