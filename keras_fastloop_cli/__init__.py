@@ -28,6 +28,8 @@ SUITES = {
     "micro-batching": "micro_batching",
     "distributed": "distributed",
     "seed-table": "seed_table",
+    "resnet": "resnet",
+    "text": "text",
 }
 
 

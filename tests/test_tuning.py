@@ -12,6 +12,7 @@ from keras_fastloop.callbacks.periodic_validation import PeriodicValidation
 from keras_fastloop.mixed_precision import HardwareInfo
 from keras_fastloop.model import OptimizedModel
 from keras_fastloop.tuning import StepsPerExecutionTuner
+from keras_fastloop.tuning.tuner import AUTO_MAX_SECONDS_PER_STEP
 
 
 def drive(tuner, seconds_for, executions, limit=None):
@@ -934,3 +935,81 @@ def test_step_events_in_batches():
     assert events.batches_until_next_event([epoch_checkpoint], 0, 0) is None
     assert sorted(events.event_periods([Every(), checkpoint], accumulation=3)) == [6, 30]
     assert events.reads_optimizer_step([Every()]) and not events.reads_optimizer_step([checkpoint])
+
+
+# -- max_seconds_per_step: a long step never gets the multi-step loop (issue 30) -------------
+
+
+def test_a_long_first_step_settles_at_the_initial_count_before_any_larger_one():
+    tuner = StepsPerExecutionTuner(
+        warmup_executions=0, window=1, min_window_seconds=0, max_seconds_per_step=0.05
+    )
+    assert tuner.propose() == 1  # screening: the initial count alone, nothing compiled
+    tuner.observe(1, 0.08)  # 80 ms a step > 50 ms
+    assert (tuner.phase, tuner.propose()) == ("settled", 1)
+    assert tuner.history[-1] == ("settle", 1, "long step")
+    for _ in range(20):  # settled for good: never a larger count
+        assert tuner.propose() == 1
+        tuner.observe(1, 0.08)
+
+
+def test_a_short_first_step_then_probes_as_without_screening():
+    screened = StepsPerExecutionTuner(
+        warmup_executions=0, window=1, min_window_seconds=0, max_seconds_per_step=0.05
+    )
+    plain = StepsPerExecutionTuner(warmup_executions=0, window=1, min_window_seconds=0)
+    assert screened.propose() == 1
+    screened.observe(1, 0.01)  # 10 ms a step: not long; this is no paired measurement
+    assert screened.phase == "probing" and screened.history == []
+    # from here on, the same decisions as the tuner without screening (the docstring example)
+    for tuner in (screened, plain):
+        assert tuner.propose() == 4
+        tuner.observe(4, 0.020)
+        assert tuner.propose() == 1
+        tuner.observe(1, 0.010)
+    assert (
+        (screened.phase, screened.propose())
+        == (plain.phase, plain.propose())
+        == (
+            "settled",
+            64,
+        )
+    )
+
+
+def test_screening_waits_for_the_warmup_and_compares_the_time_per_step():
+    tuner = StepsPerExecutionTuner(initial=2, warmup_executions=1, max_seconds_per_step=0.05)
+    assert tuner.propose() == 2
+    tuner.observe(2, 5.0)  # warm-up (may include tracing): dropped, however long
+    assert tuner.phase == "probing" and tuner.propose() == 2
+    tuner.observe(2, 0.09)  # 45 ms a step: under 50 ms
+    assert tuner.phase == "probing" and tuner.propose() == 8
+
+
+def test_max_seconds_per_step_is_validated_and_in_the_config():
+    with pytest.raises(ValueError, match="max_seconds_per_step"):
+        StepsPerExecutionTuner(max_seconds_per_step=0)
+    assert StepsPerExecutionTuner().get_config()["max_seconds_per_step"] is None
+    config = StepsPerExecutionTuner(max_seconds_per_step=0.05).get_config()
+    assert StepsPerExecutionTuner(**config).get_config() == config
+
+
+def test_auto_creates_a_tuner_that_screens_long_steps():
+    from keras_fastloop.tuning import _glue
+
+    _, state = _glue.resolve_steps_per_execution("auto")
+    assert state.tuner.max_seconds_per_step == AUTO_MAX_SECONDS_PER_STEP == 0.05
+
+
+def test_a_retune_after_drift_screens_again_and_never_runs_a_larger_count():
+    # On a loaded machine a long step's rate drifts; the retune must not compile the loop.
+    tuner = StepsPerExecutionTuner(
+        warmup_executions=0, window=1, min_window_seconds=0, max_seconds_per_step=0.05
+    )
+    proposals = []
+    for seconds in (0.08, 0.08, 0.2, 0.2, 0.2):  # long, reference, two drifts, long again
+        proposals.append(tuner.propose())
+        tuner.observe(proposals[-1], seconds)
+    assert set(proposals) == {1}
+    assert ("retune", 1, 5.0) in tuner.history
+    assert tuner.history[-1] == ("settle", 1, "long step") and tuner.phase == "settled"

@@ -17,7 +17,7 @@ import keras
 import tensorflow as tf
 
 from keras_fastloop import mixed_precision, tuning
-from keras_fastloop.bench import flops, harness, torch_contender
+from keras_fastloop.bench import flops, harness, stock, torch_contender
 from keras_fastloop.bench.own_process import own_process_contender
 from keras_fastloop.callbacks.monitors import ProfilerWindow
 from keras_fastloop.callbacks.periodic_validation import PeriodicValidation
@@ -286,7 +286,7 @@ def _profile_section(profiles):
     return "\n".join(lines) + "\n"
 
 
-def contenders(data, recommended_policy=None, extras=True):
+def contenders(data, recommended_policy=None, extras=True, notes=None):
     """Name -> contender; the first one is the baseline of every ratio.
 
     With `extras` (the default; the child of `bench.own_process` passes `False`):
@@ -297,8 +297,14 @@ def contenders(data, recommended_policy=None, extras=True):
       with `TF_ENABLE_ONEDNN_OPTS=1`, and with `=0` as the control that isolates oneDNN from
       running in a fresh process;
     - where PyTorch is installed, the same CNN in eager PyTorch (`bench.torch_contender`),
-      float32, and with bf16 autocast where the recommended policy is `mixed_bfloat16`.
+      float32, and with bf16 autocast where the recommended policy is `mixed_bfloat16`;
+    - Keras on the JAX backend in its own process where jax imports there
+      (`bench.stock.jax_contenders`; why not, appended to `notes`).
+
+    Always: plain `fit` at the recommended policy with `steps_per_execution` 1, 8 and 32
+    (`bench.stock.policy_contenders`), from which the report picks Keras at its best.
     """
+    notes = [] if notes is None else notes
     suite = {
         BASELINE: fit_contender(data),
         "seed's GradientTape loop (eager)": loop_contender(data, compiled=False),
@@ -315,6 +321,21 @@ def contenders(data, recommended_policy=None, extras=True):
         ),
         RECOMMENDED: recommended_contender(data, recommended_policy),
     }
+    # Keras at its best (bench.stock): plain `fit` at the recommended policy, fixed
+    # steps_per_execution 1, 8, 32
+    policy = recommended_policy or mixed_precision.recommended_policy()
+    suite.update(stock.policy_contenders(lambda kw: fit_contender(data, compile_kwargs=kw), policy))
+    if extras:
+        suite.update(
+            stock.jax_contenders(
+                build_cnn,
+                {"x": data.x, "y": data.y, "x_val": data.x_val, "y_val": data.y_val},
+                policy,
+                BATCH_SIZE,
+                LEARNING_RATE,
+                notes,
+            )
+        )
     if extras and tuning.onednn_off_on_x86():
         for name, value in ((RECOMMENDED_CONTROL, "0"), (RECOMMENDED_ONEDNN, "1")):
             suite[name] = own_process_contender(
@@ -359,8 +380,9 @@ def run(
     initial = build_cnn().get_weights()
     progress(f"[default] {len(data.x)} training images, {epochs} epochs x {rounds} rounds")
     choice, choice_seconds = confirm_recommended_policy(data)
+    notes = []
     runs = harness.run_alternating(
-        contenders(data, choice.policy),
+        contenders(data, choice.policy, notes=notes),
         lambda: [w.copy() for w in initial],
         epochs,
         rounds,
@@ -391,6 +413,8 @@ def run(
         }
     machine = harness.machine_description()
     table = harness.markdown_table(rows, BASELINE, target_loss)
+    at_best = stock.at_best_section(runs, rows, [RECOMMENDED], BASELINE, target_loss)
+    table += "\n" + at_best + "".join(f"\n{note}\n" for note in notes)
     markdown = (
         f"# keras-fastloop bench — default suite\n\nMachine: {machine}\n\n"
         f"Data: scikit-learn digits (real, {len(data.x)} train / {len(data.x_val)} validation "
@@ -462,7 +486,12 @@ def _flops_section(rows, choice, choice_seconds):
         "|---|---|---:|---:|",
     ]
     for row in rows:
-        recommended = row["contender"] in (RECOMMENDED, RECOMMENDED_ONEDNN, RECOMMENDED_CONTROL)
+        recommended = row["contender"] in (
+            RECOMMENDED,
+            RECOMMENDED_ONEDNN,
+            RECOMMENDED_CONTROL,
+            stock.JAX,
+        ) or row["contender"].startswith(stock.POLICY_FIT)
         policy = choice.policy if recommended else "float32"
         if row["contender"] == TORCH_BF16:
             policy = "mixed_bfloat16"

@@ -13,7 +13,12 @@ import time
 import keras
 import tensorflow as tf
 
-from keras_fastloop.tuning.tuner import AUTO, StepsPerExecutionTuner, validate_steps_per_execution
+from keras_fastloop.tuning.tuner import (
+    AUTO,
+    AUTO_MAX_SECONDS_PER_STEP,
+    StepsPerExecutionTuner,
+    validate_steps_per_execution,
+)
 
 
 class _AutoState:
@@ -121,7 +126,8 @@ def resolve_steps_per_execution(value, tuner=None):
     Args:
         value: `"auto"` or a positive int (validated).
         tuner: optional `StepsPerExecutionTuner` to use for `"auto"`. Defaults to a new
-            one with default arguments.
+            one with default arguments and `max_seconds_per_step=AUTO_MAX_SECONDS_PER_STEP`
+            (0.05 s: a longer step never compiles the multi-step loop).
 
     Returns:
         `(keras_steps_per_execution, state)`: `(1, state)` for `"auto"`, `(value, None)`
@@ -132,7 +138,9 @@ def resolve_steps_per_execution(value, tuner=None):
     """
     value = validate_steps_per_execution(value)
     if value == AUTO:
-        return 1, _AutoState(tuner or StepsPerExecutionTuner())
+        if tuner is None:
+            tuner = StepsPerExecutionTuner(max_seconds_per_step=AUTO_MAX_SECONDS_PER_STEP)
+        return 1, _AutoState(tuner)
     return value, None
 
 

@@ -15,9 +15,16 @@ from typing import Any
 
 from keras_fastloop import _validation
 
-__all__ = ["AUTO", "StepsPerExecutionTuner", "validate_steps_per_execution"]
+__all__ = [
+    "AUTO",
+    "AUTO_MAX_SECONDS_PER_STEP",
+    "StepsPerExecutionTuner",
+    "validate_steps_per_execution",
+]
 
 AUTO = "auto"
+# `max_seconds_per_step` of the tuner that `steps_per_execution="auto"` creates (seconds)
+AUTO_MAX_SECONDS_PER_STEP = 0.05
 
 # relative slack of the gain thresholds: the ratio of two equal timings can be 1 - 1e-16
 _ROUNDING = 1e-9
@@ -132,6 +139,15 @@ class StepsPerExecutionTuner:
             at `0.005` the model chose 16-23 (the epoch) in 4 of 5 runs, one paired window
             after the start instead of three rungs (`docs/performance.md`). `None`: no cost
             model.
+        max_seconds_per_step: float > 0 or `None`, seconds. The first measured execution
+            of every probe (after the warm-up ones; also after a retune) runs the best count
+            alone; when its time per step exceeds
+            this, the tuner settles on that count at once (reason `"long step"`) and never
+            proposes a larger count, so `fit` never compiles its multi-step loop: at 50 ms a
+            step, a per-execution overhead of ~1 ms is under 2 % of it, while compiling the
+            loop costs seconds of the first epoch (issue 30). Defaults to `None`: no
+            screening (the probe starts with the first candidate). `compile(
+            steps_per_execution="auto")` passes `0.05` (`AUTO_MAX_SECONDS_PER_STEP`).
 
     Raises:
         ValueError: an argument out of range.
@@ -167,6 +183,7 @@ class StepsPerExecutionTuner:
         drift_windows: int = 2,
         max_seconds_per_execution: float = 1.0,
         overhead_tolerance: float | None = 0.005,
+        max_seconds_per_step: float | None = None,
     ) -> None:
         check_int, check_real = _validation.check_int, _validation.check_real
         self.initial = check_int("initial", initial, minimum=1)
@@ -203,6 +220,15 @@ class StepsPerExecutionTuner:
             exclusive_maximum=True,
             allow_none=True,
         )
+        self.max_seconds_per_step = check_real(
+            "max_seconds_per_step",
+            max_seconds_per_step,
+            minimum=0.0,
+            exclusive_minimum=True,
+            allow_none=True,
+        )
+        # the first measurement runs the initial count alone: a step longer than
+        # max_seconds_per_step settles there before any larger count is proposed (or compiled)
         self.horizon = None
         self.phase = "probing"
         self.candidate = self.best_steps = self.initial
@@ -284,7 +310,10 @@ class StepsPerExecutionTuner:
         return self.phase == "probing" and len(self._best_rates) < len(self._rates)
 
     def _due(self):
-        """The count the next execution should run: while probing, candidate and best in turn."""
+        """The count the next execution should run: while probing, candidate and best in turn
+        (the best alone while the first step time is screened)."""
+        if self._screening and self.phase == "probing":
+            return self.best_steps
         return self.best_steps if self._best_due() else self.candidate
 
     def propose(self, limit: int | None = None) -> int:
@@ -333,6 +362,11 @@ class StepsPerExecutionTuner:
         if self._new_count_left > 0:
             self._new_count_left -= 1
             return
+        if self._screening:
+            self._screening = False
+            if self.phase == "probing" and seconds / steps > self.max_seconds_per_step:
+                self._settle(reason="long step")
+            return  # a screening measurement is not part of a paired window
         probing = self.phase == "probing"
         if probing and due == self.best_steps:
             self._best_rates.append(steps / seconds)
@@ -426,6 +460,9 @@ class StepsPerExecutionTuner:
     def _probe_from(self, best):
         """Starts probing: `best` is the count to beat, the candidate `growth_factor` times it."""
         self.phase = "probing"
+        # every probe (the first, and a retune after drift) first runs the best count alone: a
+        # step longer than max_seconds_per_step settles there before any larger count runs
+        self._screening = self.max_seconds_per_step is not None
         self.best_steps, self.best_rate = min(best, self.cap), None
         self.candidate = min(self.best_steps * self.growth_factor, self.cap)
         self._clear_windows()
@@ -508,4 +545,5 @@ class StepsPerExecutionTuner:
             "drift_windows": self.drift_windows,
             "max_seconds_per_execution": self.max_seconds_per_execution,
             "overhead_tolerance": self.overhead_tolerance,
+            "max_seconds_per_step": self.max_seconds_per_step,
         }
