@@ -25,12 +25,7 @@ from keras import ops
 
 from keras_fastloop import _fit_loop as fit_loop
 from keras_fastloop import _keras_internals as internals
-from keras_fastloop import (
-    _registry,
-    _resume,  # noqa: F401 - registers exact resume with the fit loop
-    mixed_precision,
-    tuning,
-)
+from keras_fastloop import _registry, mixed_precision, tuning
 from keras_fastloop import clipping as clipping_module
 from keras_fastloop import weighting as weighting_module
 from keras_fastloop._step import distributed, guards, loss_shares, losses, scaling, user_metrics
@@ -737,6 +732,10 @@ class OptimizedTrainer:
             self._build_weighting((task_names, task_weights))
         if self.built:
             self.optimizer.build(self.trainable_variables)
+
+    # The steps `keras_fastloop._step.prebuild` builds for before the first trace: a class
+    # that overrides either is not pre-built.
+    _fastloop_default_steps = (train_step, test_step)
 
 
 def _batch_size(x):
