@@ -4,8 +4,9 @@
 other module wraps `fit` or patches its epoch iterator. Per `fit` call this module
 
 1. binds `fit`'s arguments once (`inspect.signature(keras.Model.fit).bind`);
-2. adds the internal callbacks: those of the registered extensions (`keras_fastloop._resume`
-   adds the exact-resume callback after each `BackupAndRestore(save_freq=N)`), then the
+2. adds the internal callbacks: those of the extensions listed in `EXTENSIONS` (`keras_fastloop._resume`
+   adds the exact-resume callback after each `BackupAndRestore(save_freq=N)`,
+   `keras_fastloop._step.micro_batching` its batch-size monitor), then the
    non-finite monitor of `keras_fastloop._step.guards`;
 3. captures `fit`'s epoch iterator once (Keras hands it to `_maybe_symbolic_build` first
    thing) and replaces its `_enumerate_iterator` on that instance only, for the whole `fit`,
@@ -35,52 +36,21 @@ import numbers
 
 import keras
 
-from keras_fastloop._step import distributed, guards, prebuild
+from keras_fastloop import _resume as resume
+from keras_fastloop._fit_run import FitRun, current_run
+from keras_fastloop._step import distributed, guards, micro_batching, prebuild
 from keras_fastloop.tuning import _glue, events
 
-__all__ = ["FitRun", "current_run", "fit", "register"]
+__all__ = ["EXTENSIONS", "FitRun", "current_run", "fit"]
 
 _FIT_SIGNATURE = inspect.signature(keras.Model.fit)
 
-# name -> callable(model, callbacks) -> callbacks: adds an extension's internal callbacks.
-EXTENSIONS = {}
-
-
-def register(name, add_callbacks):
-    """Registers an extension of `fit` (called once per `fit`, in registration order).
-
-    Args:
-        name: string, the extension's name (a second registration replaces the first).
-        add_callbacks: callable `(model, callbacks) -> callbacks`, both lists (the user's
-            callbacks, a given `keras.callbacks.CallbackList`'s included, and those of the
-            extensions before it).
-    """
-    EXTENSIONS[name] = add_callbacks
-
-
-class FitRun:
-    """What the fit loop knows about one `fit` call (untracked model attribute).
-
-    Attributes:
-        callbacks: the flat list of callbacks given to Keras (user's and internal).
-        iterator: `fit`'s epoch iterator once captured, else `None`.
-        auto: the model's `steps_per_execution="auto"` state when it groups steps, else
-            `None`.
-        skip: batches at the start of the next epoch that were trained before a resume.
-    """
-
-    def __init__(self, model, callbacks, auto):
-        self.model = model
-        self.callbacks = callbacks
-        self.auto = auto
-        self.iterator = None
-        self.skip = 0
-        self._pending_capture = True
-
-
-def current_run(model):
-    """The `FitRun` of the `fit` running on `model`, or `None`."""
-    return model.__dict__.get("_fastloop_fit_run")
+# The extensions of `fit`, in this order: name -> callable(model, callbacks) -> callbacks,
+# which returns the callbacks (a list) with the extension's internal callbacks added.
+EXTENSIONS = {
+    "exact_resume": resume.with_exact_resume,
+    "micro_batch_size": micro_batching.with_batch_size_monitor,
+}
 
 
 def bind_fit_arguments(model, args, kwargs):
@@ -234,25 +204,6 @@ def capture_epoch_iterator(model, iterator):
         return slots
 
     iterator._enumerate_iterator = transformed
-
-
-def skip_next_epoch_batches(model, count):
-    """Makes the next epoch of the running `fit` start after `count` batches (resume).
-
-    Args:
-        model: the model whose `fit` is running.
-        count: int >= 0, batches at the epoch start already trained.
-
-    Raises:
-        RuntimeError: no `fit` of `model` is running or its epoch iterator is unknown.
-    """
-    run = current_run(model)
-    if run is None or run.iterator is None:
-        raise RuntimeError(
-            "Exact mid-epoch resume needs the epoch iterator of a running `fit` of an "
-            f"OptimizedModel. Received: model of type {type(model).__name__}"
-        )
-    run.skip = int(count)
 
 
 def _skip_first_batches(slots, count):

@@ -2,7 +2,7 @@
 
 Keras 3.15's `BackupAndRestore` restores the weights saved after batch `b` of epoch `e` but
 then reruns epoch `e` from its first batch (`b + 1` extra optimizer steps). With this module
-(registered with `keras_fastloop._fit_loop`, nothing to call: pass a stock
+(listed in `keras_fastloop._fit_loop.EXTENSIONS`, nothing to call: pass a stock
 `BackupAndRestore` with an integer `save_freq` to `OptimizedModel.fit`) the resumed run
 continues with batch `b + 1` and ends with the weights of an uninterrupted run; the backup's
 and each integer-`save_freq` `ModelCheckpoint`'s save points line up with the uninterrupted
@@ -26,7 +26,7 @@ import os
 
 import keras
 
-from keras_fastloop import _fit_loop as fit_loop
+from keras_fastloop import _fit_run as fit_run
 from keras_fastloop import _validation
 
 __all__ = ["with_exact_resume"]
@@ -73,12 +73,12 @@ class _MidEpochResume(keras.callbacks.Callback):
         self.backup._current_epoch = epoch
         self.backup._last_batch_seen = batch
         self._resumed_epoch = epoch
-        fit_loop.skip_next_epoch_batches(self.model, batch + 1)
+        fit_run.skip_next_epoch_batches(self.model, batch + 1)
         if steps:
             self._align_checkpoints(epoch * steps + batch + 1, batch)
 
     def _align_checkpoints(self, done, last_batch):
-        run = fit_loop.current_run(self.model)
+        run = fit_run.current_run(self.model)
         for callback in run.callbacks if run is not None else []:
             if isinstance(callback, keras.callbacks.ModelCheckpoint) and _is_int(
                 callback.save_freq
@@ -92,6 +92,3 @@ class _MidEpochResume(keras.callbacks.Callback):
             return
         # Keras starts this counter at 0, so its first execution of `s` batches counts `s - 1`.
         self.backup._last_batch_seen = -1
-
-
-fit_loop.register("exact_resume", with_exact_resume)

@@ -23,87 +23,17 @@ import keras
 import tensorflow as tf
 from keras import ops
 
+from keras_fastloop import _compile_settings as compile_settings
 from keras_fastloop import _fit_loop as fit_loop
 from keras_fastloop import _keras_internals as internals
-from keras_fastloop import (
-    _registry,
-    _resume,  # noqa: F401 - registers exact resume with the fit loop
-    mixed_precision,
-    tuning,
-)
+from keras_fastloop import _registry, mixed_precision, tuning
 from keras_fastloop import clipping as clipping_module
 from keras_fastloop import weighting as weighting_module
 from keras_fastloop._step import distributed, guards, loss_shares, losses, scaling, user_metrics
 from keras_fastloop._step import micro_batching as micro_batching_module
-from keras_fastloop._step.results import LOG_METRICS, StepMetrics, StepResult
+from keras_fastloop._step.results import StepMetrics, StepResult
 from keras_fastloop._step.state import StepState
 from keras_fastloop._warnings import FastloopWarning
-
-NONFINITE_POLICIES = ("skip", "raise", "terminate")
-
-
-def _check_optimizer_clipping(optimizer, gradient_clipping):
-    inner = getattr(optimizer, "inner_optimizer", optimizer)
-    set_on_optimizer = {
-        name: getattr(inner, name, None)
-        for name in ("clipnorm", "global_clipnorm", "clipvalue")
-        if getattr(inner, name, None) is not None
-    }
-    if gradient_clipping is not None and set_on_optimizer:
-        raise ValueError(
-            "Gradient clipping is set twice: on the optimizer "
-            f"({', '.join(f'{k}={v}' for k, v in set_on_optimizer.items())}) and in "
-            "`compile(gradient_clipping=...)`. Set it in one place only (prefer "
-            "`gradient_clipping`, which clips the gradient summed across replicas). "
-            f"Received: gradient_clipping={gradient_clipping!r}"
-        )
-    accumulation = getattr(inner, "gradient_accumulation_steps", None)
-    if accumulation and tf.distribute.has_strategy():
-        raise ValueError(
-            "The optimizer's `gradient_accumulation_steps` does not work under tf.distribute "
-            "(Keras 3.15 synchronises inside a conditional, which raises in `fit`, with "
-            "keras.Model too). Use `compile(micro_batch_size=...)` to accumulate inside the "
-            f"step. Received: gradient_accumulation_steps={accumulation}"
-        )
-    if gradient_clipping is not None and accumulation:
-        raise ValueError(
-            "`gradient_clipping` cannot be combined with the optimizer's "
-            "`gradient_accumulation_steps`: the step would clip each batch's gradient before "
-            "Keras accumulates them (a mean of clipped gradients, not the clipped mean). Use "
-            "`compile(micro_batch_size=...)` to accumulate inside the step, where clipping acts "
-            f"on the accumulated gradient. Received: gradient_accumulation_steps={accumulation}, "
-            f"gradient_clipping={gradient_clipping!r}"
-        )
-
-
-def _log_metrics(log_metrics, clipper, optimizer, nonfinite):
-    """The optional step metrics to log: as asked, or those of the features that are on."""
-    if log_metrics is None:
-        lso = scaling.is_loss_scale_optimizer(optimizer)
-        names = []
-        if clipper is not None:
-            names.append("grad_norm")
-        if lso or nonfinite != "skip":
-            names.append("skipped_steps")
-        if lso:
-            names.append("loss_scale")
-        return tuple(names)
-    return (log_metrics,) if isinstance(log_metrics, str) else tuple(log_metrics)
-
-
-def _check_log_metrics(log_metrics):
-    names = [log_metrics] if isinstance(log_metrics, str) else log_metrics
-    if names is None:
-        return
-    if (
-        not isinstance(names, (list, tuple))
-        or any(name not in LOG_METRICS for name in names)
-        or len(set(names)) != len(names)
-    ):
-        raise ValueError(
-            f"`log_metrics` must be None or a list of distinct names from {LOG_METRICS}. "
-            f"Received: log_metrics={log_metrics!r}"
-        )
 
 
 class OptimizedTrainer:
@@ -184,89 +114,65 @@ class OptimizedTrainer:
                 `compute_loss`.
             TypeError: an argument of the wrong kind.
         """
-        clipper = clipping_module.get(gradient_clipping)
-        weighting = weighting_module.get(loss_weighting) or weighting_module.Static()
-        weighting_module.check_loss_weights(weighting, loss_weights)
-        if nonfinite not in NONFINITE_POLICIES:
-            raise ValueError(
-                f"`nonfinite` must be one of {NONFINITE_POLICIES}. Received: nonfinite={nonfinite!r}"
-            )
-        micro_batch_size = micro_batching_module.validate_micro_batch_size(micro_batch_size)
-        if micro_batch_size and weighting.requires_task_gradients:
-            raise ValueError(
-                "Gradient-based loss weighting cannot be combined with `micro_batch_size` "
-                "(per-task gradients are not accumulated across micro-batches). "
-                f"Received: loss_weighting={loss_weighting!r}, micro_batch_size={micro_batch_size}"
-            )
-        needs_tasks = {
-            "loss_weighting": loss_weighting is not None,
-            "micro_batch_size": micro_batch_size is not None,
-        }
-        for argument, given in needs_tasks.items():
-            value = loss_weighting if argument == "loss_weighting" else micro_batch_size
-            if given and loss is None:
-                raise ValueError(
-                    f"`{argument}` needs the per-task losses of a compiled `loss`. "
-                    f"Received: loss=None, {argument}={value!r}"
-                )
-            if given and self._overrides_compute_loss():
-                raise ValueError(
-                    f"`{argument}` cannot be combined with an overridden `compute_loss()`: it "
-                    "needs each task's loss, which only the default `compute_loss` provides. "
-                    f"Received: {argument}={value!r}"
-                )
-        if micro_batch_size is not None and user_metrics.overrides_compute_metrics(self):
-            raise ValueError(
-                "`micro_batch_size` cannot be combined with an overridden `compute_metrics()`: "
-                "Keras calls it once per batch with the whole batch's predictions, which "
-                f"micro-batching never holds at once. Received: micro_batch_size={micro_batch_size!r}"
-            )
-        losses.check_loss_identifiers(loss)
-        losses.check_loss_weights(loss_weights)
-        losses.check_unreduced(
-            loss, micro_batch_size, weighting, self.distribute_strategy.num_replicas_in_sync
-        )
-        if not self._overrides_compute_loss():
-            # An overridden `compute_loss` may restructure `y_pred` before the compiled loss
-            # sees it (Keras' own tests split one output in two), so the loss' structure can
-            # only be checked against the outputs when the default `compute_loss` runs.
-            losses.check_keys("loss", loss, self)
-            losses.check_keys("loss_weights", loss_weights, self)
-            losses.check_counts(loss, loss_weights, self)
-        # Everything that can refuse the arguments runs before Keras' compile: a refused
-        # compile leaves the model as it was (optimizer, clipping, step state).
-        layout = losses.task_layout(loss, loss_weights, self)
-        weighting.validate(self, None if layout is None else layout[0], shared_variables)
-        _check_log_metrics(log_metrics)
-        optimizer = keras.optimizers.get(optimizer)
-        _check_optimizer_clipping(optimizer, clipper)
-
-        # "auto": Keras runs 1 step per slot; tuning.py groups slots into executions.
-        keras_steps_per_execution, auto_spe = tuning.resolve_steps_per_execution(
-            steps_per_execution
-        )
-        super().compile(
+        settings = compile_settings.validate_compile_arguments(
+            self,
+            overrides_compute_loss=self._overrides_compute_loss(),
             optimizer=optimizer,
-            loss=None,
+            loss=loss,
+            loss_weights=loss_weights,
             metrics=metrics,
             weighted_metrics=weighted_metrics,
             run_eagerly=run_eagerly,
-            steps_per_execution=keras_steps_per_execution,
+            steps_per_execution=steps_per_execution,
             jit_compile=jit_compile,
             auto_scale_loss=auto_scale_loss,
+            gradient_clipping=gradient_clipping,
+            loss_weighting=loss_weighting,
+            shared_variables=shared_variables,
+            micro_batch_size=micro_batch_size,
+            nonfinite=nonfinite,
+            log_metrics=log_metrics,
         )
+        # Nothing below refuses the arguments: a refused compile left the model as it was.
+        self._compile_keras(settings)
+        self._compile_step(settings)
+        self._compile_config = settings.compile_config(jit_compile=self.jit_compile)
+
+    def _compile_keras(self, settings):
+        """Keras' compile (without the loss) and the model's `TaskLoss`."""
+        # "auto": Keras runs 1 step per slot; tuning.py groups slots into executions.
+        keras_steps_per_execution, auto_spe = tuning.resolve_steps_per_execution(
+            settings.steps_per_execution
+        )
+        super().compile(
+            optimizer=settings.optimizer,
+            loss=None,
+            metrics=settings.metrics,
+            weighted_metrics=settings.weighted_metrics,
+            run_eagerly=settings.run_eagerly,
+            steps_per_execution=keras_steps_per_execution,
+            jit_compile=settings.jit_compile,
+            auto_scale_loss=settings.auto_scale_loss,
+        )
+        object.__setattr__(self, "_fastloop_auto_spe", auto_spe)  # untracked runtime state
+        loss, loss_weights = settings.loss, settings.loss_weights
         if loss is not None:  # as Keras: compile(loss=None) keeps an earlier compiled loss
             self._compile_loss = losses.TaskLoss(
                 loss, loss_weights, output_names=getattr(self, "output_names", None)
             )
             self.loss = loss
+
+    def _compile_step(self, settings):
+        """The step's components and state, from validated settings."""
+        clipper, weighting = settings.clipper, settings.weighting
+        micro_batch_size, nonfinite = settings.micro_batch_size, settings.nonfinite
         self._gradient_clipping = clipper
-        self._loss_weighting_given = loss_weighting is not None
+        self._loss_weighting_given = settings.loss_weighting is not None
         # `loss` is what keras.Model reports: the tasks weighted by the static `loss_weights`
         # (for "static" that is the objective itself, weights assigned during fit included).
         self._loss_is_objective = weighting.name == "static"
         # untracked: Keras would otherwise adopt the listed variables/layers as the model's own
-        object.__setattr__(self, "_shared_variables", shared_variables)
+        object.__setattr__(self, "_shared_variables", settings.shared_variables)
         self._micro_batch_size = micro_batch_size
         object.__setattr__(self, "_fastloop_warned_small_batch", False)
         if micro_batch_size:  # untracked: the batch-size check of BatchSizeMonitor, never saved
@@ -275,7 +181,6 @@ class OptimizedTrainer:
             )
         self._nonfinite = nonfinite
         self._warned_unconnected = False
-        object.__setattr__(self, "_fastloop_auto_spe", auto_spe)  # untracked runtime state
         # All step state is created here (or, for models whose outputs are unknown until their
         # first call, in Keras' symbolic build before training), under the caller's scope.
         state = StepState()
@@ -284,38 +189,18 @@ class OptimizedTrainer:
             clipper.build(state)
         guards.build(state, nonfinite)
         self._loss_weighting = weighting
-        object.__setattr__(
-            self,
-            "_step_metrics",
-            StepMetrics(_log_metrics(log_metrics, clipper, self.optimizer, nonfinite)),
-        )
+        names = compile_settings.log_metric_names(settings, self.optimizer)
+        object.__setattr__(self, "_step_metrics", StepMetrics(names))
         object.__setattr__(self, "_fastloop_evaluating", 0)
-        if loss is not None and self.dtype_policy.name in ("mixed_float16", "mixed_bfloat16"):
+        if settings.loss is not None and self.dtype_policy.name in (
+            "mixed_float16",
+            "mixed_bfloat16",
+        ):
             # Keras' mixed-precision guide: outputs that feed a loss should be float32.
             mixed_precision.check_output_dtypes(self, self.dtype_policy.name)
-        if layout is not None:
-            self._build_weighting(layout)
-        object.__setattr__(self, "_fastloop_tasks_known_at_compile", layout is not None)
-        # Only the features that are on: with every feature off the config is a keras.Model
-        # one, which Keras' own code applies to plain models (clone_model of a Sequential).
-        features = {
-            "gradient_clipping": clipper,
-            "loss_weighting": weighting if loss_weighting is not None else None,
-            "micro_batch_size": micro_batch_size,
-            "nonfinite": None if nonfinite == "skip" else nonfinite,
-            "log_metrics": log_metrics,
-        }
-        self._compile_config = internals.serialization_lib.SerializableDict(
-            optimizer=optimizer,
-            loss=loss,
-            loss_weights=loss_weights,
-            metrics=metrics,
-            weighted_metrics=weighted_metrics,
-            run_eagerly=run_eagerly,
-            steps_per_execution=steps_per_execution,
-            jit_compile=self.jit_compile,
-            **{name: value for name, value in features.items() if value is not None},
-        )
+        if settings.layout is not None:
+            self._build_weighting(settings.layout)
+        object.__setattr__(self, "_fastloop_tasks_known_at_compile", settings.layout is not None)
 
     def _overrides_compute_loss(self):
         return type(self).compute_loss is not OptimizedTrainer.compute_loss
@@ -757,6 +642,10 @@ class OptimizedTrainer:
             self._build_weighting((task_names, task_weights))
         if self.built:
             self.optimizer.build(self.trainable_variables)
+
+    # The steps `keras_fastloop._step.prebuild` builds for before the first trace: a class
+    # that overrides either is not pre-built.
+    _fastloop_default_steps = (train_step, test_step)
 
 
 def _batch_size(x):

@@ -22,7 +22,6 @@ import keras
 import tensorflow as tf
 from keras import ops
 
-from keras_fastloop import _fit_loop as fit_loop
 from keras_fastloop import _keras_internals as internals
 from keras_fastloop._step import loss_shares
 from keras_fastloop._step.results import StepResult, restore_point
@@ -104,14 +103,11 @@ class BatchSizeMonitor(keras.callbacks.Callback):
             _warn_small_batch(model, largest)
 
 
-def _with_batch_size_monitor(model, callbacks):
+def with_batch_size_monitor(model, callbacks):
     """`fit` extension: adds `BatchSizeMonitor` when `micro_batch_size` is set."""
     if not getattr(model, "_micro_batch_size", None):
         return callbacks
     return [*callbacks, BatchSizeMonitor()]
-
-
-fit_loop.register("micro_batch_size", _with_batch_size_monitor)
 
 
 def _track_batch_size(model, n, k):

@@ -32,14 +32,15 @@ def _compiled_state_unbuilt(model):
 
 
 def _eligible(model):
-    from keras_fastloop._trainer import OptimizedTrainer
-
     cls = type(model)
+    # The trainer names its own steps (`OptimizedTrainer._fastloop_default_steps`).
+    default_steps = getattr(cls, "_fastloop_default_steps", None)
     return (
         model._distribute_strategy is None  # under a strategy Keras builds it itself
         and model.compiled
-        and cls.train_step is OptimizedTrainer.train_step
-        and cls.test_step is OptimizedTrainer.test_step
+        and default_steps is not None
+        and cls.train_step is default_steps[0]
+        and cls.test_step is default_steps[1]
         and all(layer.built for layer in model._flatten_layers())
     )
 

@@ -9,8 +9,10 @@ contender of the default suite from the parent's initial weights, and sends back
 `harness.Run` holds, as JSON. As for every in-process contender, the clock starts when
 training starts: TensorFlow's import in the child (a few seconds) is not counted.
 
-The child is `python -m keras_fastloop.bench.own_process SPEC`, with `SPEC` a JSON file:
-`{"contender", "policy", "quick", "epochs", "weights", "out"}`.
+The child is `python -m keras_fastloop.bench.own_process_child SPEC`, with `SPEC` a JSON file:
+`{"contender", "policy", "quick", "epochs", "weights", "out"}`. This module
+imports nothing of the suite (`keras_fastloop.bench.default` imports it); the child module,
+above both, runs the suite's contender.
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ def own_process_contender(
             )
             try:
                 child = subprocess.run(
-                    [sys.executable, "-m", "keras_fastloop.bench.own_process", str(spec)],
+                    [sys.executable, "-m", "keras_fastloop.bench.own_process_child", str(spec)],
                     env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", **env},
                     capture_output=True,
                     text=True,
@@ -99,36 +101,3 @@ def own_process_contender(
         run.extra.update(result["extra"])
 
     return train
-
-
-def _child(spec_path):
-    spec = json.loads(Path(spec_path).read_text())
-    import keras
-
-    from keras_fastloop import _keras_internals
-    from keras_fastloop.bench import default, harness
-
-    keras.utils.set_random_seed(default.SEED)  # as `default.run`: tf.data's shuffle order
-    data = default.Data(spec["quick"])
-    stored = np.load(spec["weights"])
-    initial = [stored[f"arr_{i}"] for i in range(len(stored.files))]
-    train = default.contenders(data, spec["policy"], extras=False)[spec["contender"]]
-    run = harness.Run(name=spec["contender"], epochs=spec["epochs"], initial_weights=initial)
-    peak_mb = harness.timed_run(train, run)
-    Path(spec["out"]).write_text(
-        json.dumps(
-            {
-                "curve": run.curve,
-                "train_seconds": run.train_seconds,
-                "samples": run.samples,
-                "val_accuracy": run.val_accuracy,
-                "total_seconds": run.total_seconds,
-                "peak_memory_mb": peak_mb,
-                "extra": {**run.extra, "onednn": _keras_internals.onednn_enabled()},
-            }
-        )
-    )
-
-
-if __name__ == "__main__":
-    _child(sys.argv[1])

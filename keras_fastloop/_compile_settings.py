@@ -1,0 +1,262 @@
+"""The checks of `OptimizedModel.compile`: every argument is validated here, once.
+
+`validate_compile_arguments` is the single place where `compile` refuses its arguments (each
+error says what must hold and ends with `Received: ...`); it returns a `CompileSettings`,
+from which `compile` then builds Keras' compile state and the step's components without
+further checks. Nothing is changed on the model before every check has passed, so a refused
+`compile` leaves the model as it was (optimizer, clipping, step state).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from keras_fastloop import _keras_internals as internals
+from keras_fastloop import clipping as clipping_module
+from keras_fastloop import tuning
+from keras_fastloop import weighting as weighting_module
+from keras_fastloop._step import losses, scaling, user_metrics
+from keras_fastloop._step import micro_batching as micro_batching_module
+from keras_fastloop._step.results import LOG_METRICS
+
+__all__ = ["NONFINITE_POLICIES", "CompileSettings", "validate_compile_arguments"]
+
+NONFINITE_POLICIES = ("skip", "raise", "terminate")
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileSettings:
+    """`compile`'s arguments once validated.
+
+    The Keras arguments are as given (`optimizer` resolved to an `Optimizer`); `clipper` is
+    the `GradientClipping` or `None`, `weighting` the `LossWeighting` (`Static` when
+    `loss_weighting` is `None`), `micro_batch_size` `None` or a positive int, and `layout`
+    `(task names, static weights)` when the tasks are known at compile, else `None`.
+    `gradient_clipping`, `loss_weighting` and `log_metrics` keep the values given.
+    """
+
+    optimizer: keras.optimizers.Optimizer
+    loss: Any
+    loss_weights: Any
+    metrics: Any
+    weighted_metrics: Any
+    run_eagerly: bool
+    steps_per_execution: int | str
+    jit_compile: bool | str
+    auto_scale_loss: bool
+    clipper: Any
+    loss_weighting: Any
+    weighting: Any
+    shared_variables: Any
+    micro_batch_size: int | None
+    nonfinite: str
+    log_metrics: Any
+    layout: tuple | None
+
+    def compile_config(self, jit_compile):
+        """The `get_compile_config()` of the model, given Keras' resolved `jit_compile`.
+
+        Only the features that are on: with every feature off the config is a keras.Model
+        one, which Keras' own code applies to plain models (clone_model of a Sequential).
+        """
+        features = {
+            "gradient_clipping": self.clipper,
+            "loss_weighting": self.weighting if self.loss_weighting is not None else None,
+            "micro_batch_size": self.micro_batch_size,
+            "nonfinite": None if self.nonfinite == "skip" else self.nonfinite,
+            "log_metrics": self.log_metrics,
+        }
+        return internals.serialization_lib.SerializableDict(
+            optimizer=self.optimizer,
+            loss=self.loss,
+            loss_weights=self.loss_weights,
+            metrics=self.metrics,
+            weighted_metrics=self.weighted_metrics,
+            run_eagerly=self.run_eagerly,
+            steps_per_execution=self.steps_per_execution,
+            jit_compile=jit_compile,
+            **{name: value for name, value in features.items() if value is not None},
+        )
+
+
+def validate_compile_arguments(
+    model,
+    *,
+    overrides_compute_loss,
+    optimizer,
+    loss,
+    loss_weights,
+    metrics,
+    weighted_metrics,
+    run_eagerly,
+    steps_per_execution,
+    jit_compile,
+    auto_scale_loss,
+    gradient_clipping,
+    loss_weighting,
+    shared_variables,
+    micro_batch_size,
+    nonfinite,
+    log_metrics,
+):
+    """Checks every argument of `compile` against each other and the model.
+
+    Args:
+        model: the model being compiled (read only: its outputs, strategy, overrides).
+        overrides_compute_loss: bool, whether the model's class overrides `compute_loss`.
+        the others: `OptimizedModel.compile`'s arguments, as given.
+
+    Returns:
+        A `CompileSettings`.
+
+    Raises:
+        ValueError, TypeError: as listed in `OptimizedModel.compile`; nothing on the model
+            is changed.
+    """
+    clipper = clipping_module.get(gradient_clipping)
+    weighting = weighting_module.get(loss_weighting) or weighting_module.Static()
+    weighting_module.check_loss_weights(weighting, loss_weights)
+    if nonfinite not in NONFINITE_POLICIES:
+        raise ValueError(
+            f"`nonfinite` must be one of {NONFINITE_POLICIES}. Received: nonfinite={nonfinite!r}"
+        )
+    micro_batch_size = micro_batching_module.validate_micro_batch_size(micro_batch_size)
+    if micro_batch_size and weighting.requires_task_gradients:
+        raise ValueError(
+            "Gradient-based loss weighting cannot be combined with `micro_batch_size` "
+            "(per-task gradients are not accumulated across micro-batches). "
+            f"Received: loss_weighting={loss_weighting!r}, micro_batch_size={micro_batch_size}"
+        )
+    needs_tasks = {
+        "loss_weighting": loss_weighting is not None,
+        "micro_batch_size": micro_batch_size is not None,
+    }
+    for argument, given in needs_tasks.items():
+        value = loss_weighting if argument == "loss_weighting" else micro_batch_size
+        if given and loss is None:
+            raise ValueError(
+                f"`{argument}` needs the per-task losses of a compiled `loss`. "
+                f"Received: loss=None, {argument}={value!r}"
+            )
+        if given and overrides_compute_loss:
+            raise ValueError(
+                f"`{argument}` cannot be combined with an overridden `compute_loss()`: it "
+                "needs each task's loss, which only the default `compute_loss` provides. "
+                f"Received: {argument}={value!r}"
+            )
+    if micro_batch_size is not None and user_metrics.overrides_compute_metrics(model):
+        raise ValueError(
+            "`micro_batch_size` cannot be combined with an overridden `compute_metrics()`: "
+            "Keras calls it once per batch with the whole batch's predictions, which "
+            f"micro-batching never holds at once. Received: micro_batch_size={micro_batch_size!r}"
+        )
+    losses.check_loss_identifiers(loss)
+    losses.check_loss_weights(loss_weights)
+    losses.check_unreduced(
+        loss, micro_batch_size, weighting, model.distribute_strategy.num_replicas_in_sync
+    )
+    if not overrides_compute_loss:
+        # An overridden `compute_loss` may restructure `y_pred` before the compiled loss
+        # sees it (Keras' own tests split one output in two), so the loss' structure can
+        # only be checked against the outputs when the default `compute_loss` runs.
+        losses.check_keys("loss", loss, model)
+        losses.check_keys("loss_weights", loss_weights, model)
+        losses.check_counts(loss, loss_weights, model)
+    layout = losses.task_layout(loss, loss_weights, model)
+    weighting.validate(model, None if layout is None else layout[0], shared_variables)
+    _check_log_metrics(log_metrics)
+    optimizer = keras.optimizers.get(optimizer)
+    _check_optimizer_clipping(optimizer, clipper)
+    tuning.validate_steps_per_execution(steps_per_execution)  # compile passes it on as given
+    return CompileSettings(
+        optimizer=optimizer,
+        loss=loss,
+        loss_weights=loss_weights,
+        metrics=metrics,
+        weighted_metrics=weighted_metrics,
+        run_eagerly=run_eagerly,
+        steps_per_execution=steps_per_execution,
+        jit_compile=jit_compile,
+        auto_scale_loss=auto_scale_loss,
+        clipper=clipper,
+        loss_weighting=loss_weighting,
+        weighting=weighting,
+        shared_variables=shared_variables,
+        micro_batch_size=micro_batch_size,
+        nonfinite=nonfinite,
+        log_metrics=log_metrics,
+        layout=layout,
+    )
+
+
+def log_metric_names(settings, optimizer):
+    """The optional step metrics to log: as asked, or those of the features that are on.
+
+    `optimizer`: the model's optimizer after Keras' compile (a `LossScaleOptimizer` under a
+    `mixed_float16` policy).
+    """
+    log_metrics, clipper, nonfinite = settings.log_metrics, settings.clipper, settings.nonfinite
+    if log_metrics is None:
+        lso = scaling.is_loss_scale_optimizer(optimizer)
+        names = []
+        if clipper is not None:
+            names.append("grad_norm")
+        if lso or nonfinite != "skip":
+            names.append("skipped_steps")
+        if lso:
+            names.append("loss_scale")
+        return tuple(names)
+    return (log_metrics,) if isinstance(log_metrics, str) else tuple(log_metrics)
+
+
+def _check_optimizer_clipping(optimizer, gradient_clipping):
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    set_on_optimizer = {
+        name: getattr(inner, name, None)
+        for name in ("clipnorm", "global_clipnorm", "clipvalue")
+        if getattr(inner, name, None) is not None
+    }
+    if gradient_clipping is not None and set_on_optimizer:
+        raise ValueError(
+            "Gradient clipping is set twice: on the optimizer "
+            f"({', '.join(f'{k}={v}' for k, v in set_on_optimizer.items())}) and in "
+            "`compile(gradient_clipping=...)`. Set it in one place only (prefer "
+            "`gradient_clipping`, which clips the gradient summed across replicas). "
+            f"Received: gradient_clipping={gradient_clipping!r}"
+        )
+    accumulation = getattr(inner, "gradient_accumulation_steps", None)
+    if accumulation and tf.distribute.has_strategy():
+        raise ValueError(
+            "The optimizer's `gradient_accumulation_steps` does not work under tf.distribute "
+            "(Keras 3.15 synchronises inside a conditional, which raises in `fit`, with "
+            "keras.Model too). Use `compile(micro_batch_size=...)` to accumulate inside the "
+            f"step. Received: gradient_accumulation_steps={accumulation}"
+        )
+    if gradient_clipping is not None and accumulation:
+        raise ValueError(
+            "`gradient_clipping` cannot be combined with the optimizer's "
+            "`gradient_accumulation_steps`: the step would clip each batch's gradient before "
+            "Keras accumulates them (a mean of clipped gradients, not the clipped mean). Use "
+            "`compile(micro_batch_size=...)` to accumulate inside the step, where clipping acts "
+            f"on the accumulated gradient. Received: gradient_accumulation_steps={accumulation}, "
+            f"gradient_clipping={gradient_clipping!r}"
+        )
+
+
+def _check_log_metrics(log_metrics):
+    names = [log_metrics] if isinstance(log_metrics, str) else log_metrics
+    if names is None:
+        return
+    if (
+        not isinstance(names, (list, tuple))
+        or any(name not in LOG_METRICS for name in names)
+        or len(set(names)) != len(names)
+    ):
+        raise ValueError(
+            f"`log_metrics` must be None or a list of distinct names from {LOG_METRICS}. "
+            f"Received: log_metrics={log_metrics!r}"
+        )

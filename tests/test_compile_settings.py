@@ -1,0 +1,78 @@
+"""`compile` is "check, then build": every check in `validate_compile_arguments`."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+
+import keras
+import pytest
+
+from keras_fastloop import OptimizedModel, _trainer
+from keras_fastloop import _compile_settings as compile_settings
+
+
+def _model():
+    inputs = keras.Input((3,))
+    return OptimizedModel(inputs, keras.layers.Dense(2)(inputs))
+
+
+def _arguments(**changes):
+    arguments = dict(
+        optimizer="sgd",
+        loss="mse",
+        loss_weights=None,
+        metrics=None,
+        weighted_metrics=None,
+        run_eagerly=False,
+        steps_per_execution=1,
+        jit_compile=False,
+        auto_scale_loss=True,
+        gradient_clipping=None,
+        loss_weighting=None,
+        shared_variables=None,
+        micro_batch_size=None,
+        nonfinite="skip",
+        log_metrics=None,
+    )
+    return {**arguments, **changes}
+
+
+def test_settings_are_frozen_and_validation_leaves_the_model_as_it_was():
+    model = _model()
+    settings = compile_settings.validate_compile_arguments(
+        model, overrides_compute_loss=False, **_arguments(gradient_clipping=1.0)
+    )
+    assert isinstance(settings.optimizer, keras.optimizers.SGD)
+    assert settings.clipper is not None and settings.weighting.name == "static"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        settings.nonfinite = "raise"
+    assert not model.compiled and getattr(model, "_fastloop_state", None) is None
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"nonfinite": "ignore"},
+        {"micro_batch_size": 0},
+        {"steps_per_execution": 0},
+        {"log_metrics": ["nope"]},
+        {"loss": None, "loss_weighting": "dwa"},
+    ],
+)
+def test_each_refusal_is_raised_by_the_validation_with_received(changes):
+    model = _model()
+    with pytest.raises(ValueError, match="Received: "):
+        compile_settings.validate_compile_arguments(
+            model, overrides_compute_loss=False, **_arguments(**changes)
+        )
+    assert not model.compiled
+
+
+def test_the_build_half_of_compile_raises_nothing_itself():
+    source = inspect.getsource(_trainer.OptimizedTrainer)
+    tree = ast.parse(inspect.cleandoc("\n" + source) if source.startswith(" ") else source)
+    functions = {node.name: node for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)}
+    for name in ("compile", "_compile_keras", "_compile_step"):
+        assert not any(isinstance(n, ast.Raise) for n in ast.walk(functions[name])), name
