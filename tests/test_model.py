@@ -1,5 +1,8 @@
 """OptimizedModel: equivalence with keras.Model.fit, guards, logs, errors and saving."""
 
+from tests._helpers import EXPECT_SKIP_WARNINGS  # noqa: E402
+
+pytestmark = EXPECT_SKIP_WARNINGS
 import warnings
 
 import keras

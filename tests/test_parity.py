@@ -4,6 +4,9 @@ Every test builds the same model twice from one seed, once with Keras' class and
 trains both the same way and compares History (keys and values) and weights.
 """
 
+from tests._helpers import EXPECT_SKIP_WARNINGS  # noqa: E402
+
+pytestmark = EXPECT_SKIP_WARNINGS
 import os
 import warnings
 

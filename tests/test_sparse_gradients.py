@@ -9,6 +9,9 @@ batch): `g = 3` over 8 rows, true norm 24 again (raw norm 8.49). After a step, r
 `-clipped gradient` (SGD, learning rate 1).
 """
 
+from tests._helpers import EXPECT_SKIP_WARNINGS  # noqa: E402
+
+pytestmark = EXPECT_SKIP_WARNINGS
 import contextlib
 
 import keras

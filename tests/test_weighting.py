@@ -1,5 +1,8 @@
 """Loss weighting inside OptimizedModel's step: equivalence, logs, mid-fit changes, saving."""
 
+from tests._helpers import EXPECT_SKIP_WARNINGS  # noqa: E402
+
+pytestmark = EXPECT_SKIP_WARNINGS
 import keras
 import numpy as np
 import pytest
