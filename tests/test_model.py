@@ -1,17 +1,16 @@
 """OptimizedModel: equivalence with keras.Model.fit, guards, logs, errors and saving."""
 
-from tests._helpers import EXPECT_SKIP_WARNINGS  # noqa: E402
-
-pytestmark = EXPECT_SKIP_WARNINGS
 import warnings
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from _helpers import fresh_user_data
+from _helpers import EXPECT_SKIP_WARNINGS, fresh_user_data
 
 import keras_fastloop as kf
+
+pytestmark = EXPECT_SKIP_WARNINGS
 
 
 def mlp(cls, seed=0, regularize=False, outputs="single"):

@@ -4,9 +4,6 @@ Every test builds the same model twice from one seed, once with Keras' class and
 trains both the same way and compares History (keys and values) and weights.
 """
 
-from tests._helpers import EXPECT_SKIP_WARNINGS  # noqa: E402
-
-pytestmark = EXPECT_SKIP_WARNINGS
 import os
 import warnings
 
@@ -14,11 +11,13 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from _helpers import two_replica_strategy
+from _helpers import EXPECT_SKIP_WARNINGS, two_replica_strategy
 
 import keras_fastloop as kf
 from keras_fastloop._keras_internals import Functional
 from keras_fastloop._warnings import FastloopWarning
+
+pytestmark = EXPECT_SKIP_WARNINGS
 
 
 def rng_data(n=32, d=4, seed=0):

@@ -9,19 +9,18 @@ batch): `g = 3` over 8 rows, true norm 24 again (raw norm 8.49). After a step, r
 `-clipped gradient` (SGD, learning rate 1).
 """
 
-from tests._helpers import EXPECT_SKIP_WARNINGS  # noqa: E402
-
-pytestmark = EXPECT_SKIP_WARNINGS
 import contextlib
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from _helpers import two_replica_strategy
+from _helpers import EXPECT_SKIP_WARNINGS, two_replica_strategy
 
 import keras_fastloop as kf
 from keras_fastloop import clipping
+
+pytestmark = EXPECT_SKIP_WARNINGS
 
 IDS = np.zeros((2, 4), "int32")
 TARGET = np.full((2, 1), -3.0, "float32")

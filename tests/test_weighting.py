@@ -1,16 +1,15 @@
 """Loss weighting inside OptimizedModel's step: equivalence, logs, mid-fit changes, saving."""
 
-from tests._helpers import EXPECT_SKIP_WARNINGS  # noqa: E402
-
-pytestmark = EXPECT_SKIP_WARNINGS
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from _helpers import two_replica_strategy
+from _helpers import EXPECT_SKIP_WARNINGS, two_replica_strategy
 
 from keras_fastloop import OptimizedModel, weighting
 from keras_fastloop.weighting import gradient_based as gb
+
+pytestmark = EXPECT_SKIP_WARNINGS
 
 
 def _data(n=8, seed=0):
