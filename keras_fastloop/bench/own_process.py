@@ -70,34 +70,57 @@ def own_process_contender(
                     }
                 )
             )
-            try:
-                child = subprocess.run(
-                    [sys.executable, "-m", "keras_fastloop.bench.own_process_child", str(spec)],
-                    env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", **env},
-                    capture_output=True,
-                    text=True,
-                    timeout=timeout,
-                )
-            except subprocess.TimeoutExpired as e:
-                stderr = e.stderr or ""
-                if isinstance(stderr, bytes):
-                    stderr = stderr.decode(errors="replace")
-                raise RuntimeError(
-                    f"The own-process contender {contender!r} ran past timeout={timeout} s and "
-                    f"was killed. Its standard error ends with:\n{stderr[-3000:]}"
-                ) from None
-            if child.returncode != 0 or not out.exists():
-                raise RuntimeError(
-                    f"The own-process contender {contender!r} failed (exit code "
-                    f"{child.returncode}). Its standard error ends with:\n{child.stderr[-3000:]}"
-                )
-            result = json.loads(out.read_text())
-        run.curve = [tuple(point) for point in result["curve"]]
-        run.train_seconds = result["train_seconds"]
-        run.samples = result["samples"]
-        run.val_accuracy = result["val_accuracy"]
-        run.total_seconds = result["total_seconds"]
-        run.peak_memory_mb = result["peak_memory_mb"]
+            result = run_child(
+                [sys.executable, "-m", "keras_fastloop.bench.own_process_child", str(spec)],
+                out,
+                {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", **env},
+                timeout,
+                f"The own-process contender {contender!r}",
+            )
+        record_result(run, result)
         run.extra.update(result["extra"])
 
     return train
+
+
+def run_child(command, out, env, timeout, what):
+    """Runs `command` in a child process and returns the JSON it wrote to the path `out`.
+
+    Args:
+        command: list of str, the child's command line.
+        out: `Path` the child writes its result to (JSON).
+        env: dict, the child's whole environment.
+        timeout: float, seconds before the child is killed.
+        what: str, the contender as the error messages name it.
+
+    Raises:
+        RuntimeError: if the child fails, writes no result, or runs past `timeout`; the
+            message ends with the tail of its standard error.
+    """
+    try:
+        child = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        stderr = e.stderr or ""
+        if isinstance(stderr, bytes):
+            stderr = stderr.decode(errors="replace")
+        raise RuntimeError(
+            f"{what} ran past timeout={timeout} s and was killed. Its standard error ends "
+            f"with:\n{stderr[-3000:]}"
+        ) from None
+    if child.returncode != 0 or not out.exists():
+        raise RuntimeError(
+            f"{what} failed (exit code {child.returncode}). Its standard error ends with:\n"
+            f"{child.stderr[-3000:]}"
+        )
+    return json.loads(out.read_text())
+
+
+def record_result(run, result):
+    """Fills a `harness.Run` from a child's result dict (curve, times, samples, accuracy,
+    peak memory)."""
+    run.curve = [tuple(point) for point in result["curve"]]
+    run.train_seconds = result["train_seconds"]
+    run.samples = result["samples"]
+    run.val_accuracy = result["val_accuracy"]
+    run.total_seconds = result["total_seconds"]
+    run.peak_memory_mb = result["peak_memory_mb"]

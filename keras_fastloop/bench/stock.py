@@ -31,7 +31,7 @@ from pathlib import Path
 import keras
 import numpy as np
 
-from keras_fastloop.bench import harness
+from keras_fastloop.bench import harness, own_process
 
 __all__ = [
     "JAX_PATH_ENV",
@@ -289,29 +289,14 @@ def jax_contender(
                 "out": str(tmp / "run.json"),
             }
             (tmp / "spec.json").write_text(json.dumps(spec))
-            try:
-                child = subprocess.run(
-                    [sys.executable, str(_JAX_CHILD), str(tmp / "spec.json")],
-                    env=_jax_env(),
-                    capture_output=True,
-                    text=True,
-                    timeout=timeout,
-                )
-            except subprocess.TimeoutExpired:
-                raise RuntimeError(f"The JAX contender ran past timeout={timeout} s.") from None
-            out = tmp / "run.json"
-            if child.returncode != 0 or not out.exists():
-                raise RuntimeError(
-                    f"The JAX contender failed (exit code {child.returncode}). Its standard "
-                    f"error ends with:\n{child.stderr[-3000:]}"
-                )
-            result = json.loads(out.read_text())
-        run.curve = [tuple(p) for p in result["curve"]]
-        run.train_seconds = result["train_seconds"]
-        run.samples = result["samples"]
-        run.val_accuracy = result["val_accuracy"]
-        run.total_seconds = result["total_seconds"]
-        run.peak_memory_mb = result["peak_memory_mb"]
+            result = own_process.run_child(
+                [sys.executable, str(_JAX_CHILD), str(tmp / "spec.json")],
+                tmp / "run.json",
+                _jax_env(),
+                timeout,
+                "The JAX contender",
+            )
+        own_process.record_result(run, result)
         run.extra["backend"] = result["backend"]
 
     return train
