@@ -491,11 +491,15 @@ class OptimizedTrainer:
         skipped = ops.logical_not(applied)
         if halted_before is not None:  # steps blocked after a halt were not skipped for NaN
             skipped = ops.logical_and(skipped, ops.logical_not(halted_before))
-        self._fastloop_state.skipped_steps.assign_add(ops.cast(skipped, "int64"))
         guards.record_skip(
-            self._nonfinite, self._fastloop_state, skipped, loss_finite if lso else None,
-            unique_rows, variables, self.optimizer.iterations,
-        )  # fmt: skip
+            self._nonfinite,
+            self._fastloop_state,
+            skipped,
+            loss_finite if lso else None,
+            unique_rows,
+            variables,
+            self.optimizer.iterations,
+        )
         if self._loss_weighting.has_state_update:
             distributed.cond(applied, self._loss_weighting.update, args=(list(global_losses[1:]),))
         self._record_metrics(result, applied, grad_norm)

@@ -130,7 +130,7 @@ def check(policy, state, finite, loss_finite, grads, variables, iterations):
 
 
 def record_skip(policy, state, skipped, loss_finite, grads, variables, iterations):
-    """Count a skipped step for the skip report (inside the step).
+    """Count a skipped step in `skipped_steps` and for the skip report (inside the step).
 
     Args:
         policy: the non-finite policy. Under `"raise"`/`"terminate"` a step skipped for a
@@ -144,6 +144,7 @@ def record_skip(policy, state, skipped, loss_finite, grads, variables, iteration
             that is not finite; computed only for the first skipped step of a report).
         iterations: the optimizer's step counter.
     """
+    state.skipped_steps.assign_add(ops.cast(skipped, "int64"))
     overflow = tf.constant(False) if loss_finite is None else ops.logical_and(skipped, loss_finite)
     real = ops.logical_and(skipped, ops.logical_not(overflow))
     if policy != "skip":
