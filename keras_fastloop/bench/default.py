@@ -236,13 +236,8 @@ def profile_step(
     """
     steps = -(-len(data.x) // BATCH_SIZE)
     profiler = ProfilerWindow(steps + 1, 2 * steps, logdir=out_dir)
-    previous = keras.config.dtype_policy()
-    try:
-        if policy is not None:
-            keras.config.set_dtype_policy(policy)
+    with harness.dtype_policy(policy):
         model = build_cnn(model_cls)
-    finally:
-        keras.config.set_dtype_policy(previous)
     model.compile(
         keras.optimizers.Adam(LEARNING_RATE),
         "sparse_categorical_crossentropy",

@@ -14,6 +14,7 @@ would otherwise land in whichever contender happens to be running.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -158,6 +159,19 @@ class Run:
             if loss <= target:
                 return seconds
         return float("nan")
+
+
+@contextlib.contextmanager
+def dtype_policy(policy):
+    """Sets Keras' global dtype policy for the block (`None`: leaves it as it is) and restores
+    the previous one afterwards, also when the block raises."""
+    previous = keras.config.dtype_policy()
+    try:
+        if policy is not None:
+            keras.config.set_dtype_policy(policy)
+        yield
+    finally:
+        keras.config.set_dtype_policy(previous)
 
 
 def timed_run(train, run):

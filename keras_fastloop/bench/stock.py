@@ -28,7 +28,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-import keras
 import numpy as np
 
 from keras_fastloop.bench import harness, own_process
@@ -73,12 +72,8 @@ def with_policy(train, policy):
 
     @functools.wraps(train)
     def wrapped(run):
-        previous = keras.config.dtype_policy()
-        try:
-            keras.config.set_dtype_policy(policy)
+        with harness.dtype_policy(policy):
             train(run)
-        finally:
-            keras.config.set_dtype_policy(previous)
 
     return wrapped
 
@@ -269,12 +264,8 @@ def jax_contender(
     def train(run):
         with tempfile.TemporaryDirectory() as tmp:
             tmp = Path(tmp)
-            previous = keras.config.dtype_policy()
-            try:
-                keras.config.set_dtype_policy(policy)
+            with harness.dtype_policy(policy):
                 model = build()
-            finally:
-                keras.config.set_dtype_policy(previous)
             model.set_weights(run.initial_weights)
             model.save(tmp / "model.keras")
             np.savez(tmp / "data.npz", **arrays)
