@@ -21,19 +21,29 @@ from typing import Any
 
 import keras
 import tensorflow as tf
-from keras import ops
 
+from keras_fastloop import _compile_config as compile_config
 from keras_fastloop import _compile_settings as compile_settings
 from keras_fastloop import _fit_loop as fit_loop
 from keras_fastloop import _keras_internals as internals
-from keras_fastloop import _registry, mixed_precision, tuning
 from keras_fastloop import clipping as clipping_module
+from keras_fastloop import mixed_precision, tuning
 from keras_fastloop import weighting as weighting_module
-from keras_fastloop._step import distributed, guards, loss_shares, losses, scaling, user_metrics
+from keras_fastloop._step import (
+    distributed,
+    gradients,
+    guards,
+    loss_shares,
+    losses,
+    objective,
+    prebuild,
+    scaling,
+    update,
+    user_metrics,
+)
 from keras_fastloop._step import micro_batching as micro_batching_module
-from keras_fastloop._step.results import StepMetrics, StepResult
+from keras_fastloop._step.results import StepMetrics
 from keras_fastloop._step.state import StepState
-from keras_fastloop._warnings import FastloopWarning
 
 
 class OptimizedTrainer:
@@ -180,7 +190,7 @@ class OptimizedTrainer:
                 self, "_fastloop_largest_batch", micro_batching_module.largest_batch_variable()
             )
         self._nonfinite = nonfinite
-        self._warned_unconnected = False
+        object.__setattr__(self, "_fastloop_warned_unconnected", False)
         # All step state is created here (or, for models whose outputs are unknown until their
         # first call, in Keras' symbolic build before training), under the caller's scope.
         state = StepState()
@@ -239,15 +249,12 @@ class OptimizedTrainer:
         """Variable (int64 scalar) counting the updates skipped, over all `fit` calls.
 
         It counts steps skipped for a non-finite loss or gradient and, under dynamic loss
-        scaling, the loss-scale overflows (steps the `LossScaleOptimizer` skips while halving
-        its scale, expected). Skipped steps are never silent: `fit` issues a
-        `FastloopWarning` at the end of each epoch in which steps were skipped (at most once
-        per epoch; `train_on_batch` after each call that skipped one), naming the count, the
-        first skipped optimizer step and the first variable with a non-finite gradient, with
-        overflows counted apart. An epoch with overflows only says so in a message that starts
-        with `"Loss-scale overflows only"`; silence those with
-        `warnings.filterwarnings("ignore", "Loss-scale overflows only")`. Saved with the
-        model's step state (`model.save`, `BackupAndRestore`).
+        scaling, the loss-scale overflows (expected: the `LossScaleOptimizer` halves its scale).
+        Never silent: `fit` issues a `FastloopWarning` at the end of each epoch with skipped
+        steps (`train_on_batch` after each call that skipped one), overflows counted apart;
+        `keras_fastloop._step.guards.report_skips` gives the message. Silence overflow-only
+        reports with `warnings.filterwarnings("ignore", "Loss-scale overflows only")`. Saved
+        with the model's step state (`model.save`, `BackupAndRestore`).
         """
         return self._fastloop_state.skipped_steps
 
@@ -295,273 +302,46 @@ class OptimizedTrainer:
             ValueError: when there is no loss at all (no compiled loss, no `add_loss`).
         """
         del x, training
-        terms, record = [], None
-        regularization = [
-            internals.scale_loss_for_distribution(ops.sum(ops.cast(r, "float32")))
-            for r in self.losses
-        ]
-        if self._compile_loss is not None:
-            task_terms = self._compile_loss.evaluate(y, y_pred, sample_weight)
-            # Under tf.distribute: the replicas' shares of the global losses (one all-reduce,
-            # which also gives the global batch size and the global losses).
-            regularization_sum = ops.sum(ops.stack(regularization)) if regularization else None
-            values, sync = loss_shares.replica_losses(task_terms, regularization_sum)
-            self._build_weighting()
-            if any(value.shape.rank for value in values):
-                # reduction=None (one replica, static weights: compile checks it). As in
-                # Keras the tape sums the per-sample losses and the trackers average them.
-                objective, weights = _per_sample_objective(values, self._loss_weighting)
-            else:
-                objective, weights = self._loss_weighting.combine(values)
-            reported = objective
-            per_task = weights
-            if not self._loss_is_objective:
-                per_task = ops.convert_to_tensor(self._compile_loss.static_weights, "float32")
-                reported = ops.sum(ops.stack(values) * per_task)
-            record = _LossRecord(values, objective, weights, reported, sync.batch_size)
-            if sync.global_losses is not None:  # the step's global losses, no second collective
-                logged = ops.sum(sync.global_losses * per_task)
-                if sync.global_extra is not None:
-                    logged = logged + sync.global_extra
-                record.global_losses = [logged, *tf.unstack(sync.global_losses)]
-            terms.append(objective)
-        terms += regularization
-        if not terms:
-            raise ValueError("No loss to compute. Provide a `loss` argument in `compile()`.")
-        if record is not None and not self.__dict__.get("_fastloop_own_step"):
-            # Called from a user's own train_step/test_step: update the `{name}_loss`
-            # trackers here, as Keras' CompileLoss does (our steps record after the guards).
-            self._compile_loss.record(values)
-        object.__setattr__(self, "_loss_record", record)
-        if len(terms) == 1:
-            return terms[0]
-        if terms[0].shape.rank:  # per-sample losses plus the (scalar) regularization
-            return terms[0] + ops.sum(ops.stack(terms[1:]))
-        return ops.sum(ops.stack(terms))
-
-    def _loss_terms(self, x, y, y_pred, sample_weight, training):
-        """`(total, logged loss, record)` through `compute_loss` (user overrides included)."""
-        object.__setattr__(self, "_loss_record", None)
-        with self._own_step():
-            total = self._compute_loss(
-                x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training
-            )
-        record = self.__dict__.get("_loss_record")
-        object.__setattr__(self, "_loss_record", None)
-        if record is None:
-            return total, total, None
-        return total, total + (record.reported - record.objective), record
-
-    @contextlib.contextmanager
-    def _own_step(self):
-        """Marks `compute_loss` calls made by this class' steps, which record the task losses
-        themselves (after the non-finite guards, or per micro-batch)."""
-        before = self.__dict__.get("_fastloop_own_step", False)
-        object.__setattr__(self, "_fastloop_own_step", True)
-        try:
-            yield
-        finally:
-            object.__setattr__(self, "_fastloop_own_step", before)
-
-    def _forward(self, x, training):
-        if self._call_has_training_arg:
-            return self(x, training=training)
-        return self(x)
+        return objective.compute_loss(self, y, y_pred, sample_weight)
 
     # ------------------------------------------------------------------------------ the steps
 
-    def _full_batch(self, x, y, sample_weight, variables):
-        """`StepResult` of one gradient of the whole (per-replica) batch."""
-        weighting = self._loss_weighting
-        with tf.GradientTape(persistent=weighting.requires_task_gradients) as tape:
-            y_pred = self._forward(x, training=True)
-            total, logged, record = self._loss_terms(x, y, y_pred, sample_weight, training=True)
-            scaled = self.optimizer.scale_loss(total)
-        if record is None:
-            grads = tape.gradient(
-                scaled, variables, unconnected_gradients=tf.UnconnectedGradients.NONE
-            )
-            task_losses = weights = objective = global_losses = None
-        else:
-            grads = weighting.gradients(
-                tape, record.values, scaled, variables, self.optimizer.scale_loss
-            )
-            weights = record.weights
-            if weighting.requires_task_gradients:  # weights decided from this step's gradients
-                weights = weighting.read_weights()
-            task_losses, objective = record.values, record.objective
-            global_losses = record.global_losses
-        del tape
-        compile_metrics = self._compile_metrics
-        if user_metrics.overrides_compute_metrics(self):
-            compile_metrics = None  # the step calls the override after the update
-        batch_size = _batch_size(x) if record is None else record.batch_size
-
-        def update_metrics():
-            if compile_metrics is not None:
-                compile_metrics.update_state(y, y_pred, sample_weight)
-
-        return StepResult(
-            grads=list(grads),
-            loss=logged,
-            task_losses=task_losses,
-            weights=weights,
-            objective=objective,
-            batch_size=batch_size,
-            update_metrics=update_metrics,
-            global_losses=global_losses,
-            y_pred=y_pred,
-        )
-
-    def _connected(self, grads, variables):
-        """Keep only the variables that get a gradient (Keras leaves the others untouched)."""
-        missing = [v.path for g, v in zip(grads, variables) if g is None]
-        if missing and not self._warned_unconnected:
-            self._warned_unconnected = True
-            warnings.warn(
-                f"{len(missing)} trainable variable(s) get no gradient from the loss and are "
-                f"left out of the update (as in keras.Model): {missing}",
-                FastloopWarning,
-                stacklevel=3,
-            )
-        pairs = [(g, v) for g, v in zip(grads, variables) if g is not None]
-        return [g for g, _ in pairs], [v for _, v in pairs]
-
     def train_step(self, data):
+        """One optimizer step, each stage one call (docs/design.md, "The training step")."""
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        if not all(layer.built for layer in self._flatten_layers()):
-            # Without a strategy Keras builds in the first trace; the variables must exist
-            # before the step reads them (tf.function traces once more, with them built).
-            self._forward(x, training=False)
+        prebuild.build_layers(self, x)
         variables = self.trainable_variables
-        if self._micro_batch_size:
-            result = micro_batching_module.accumulate(
-                self, x, y, sample_weight, variables, self._micro_batch_size
-            )
-        else:
-            result = self._full_batch(x, y, sample_weight, variables)
-        grads, variables = self._connected(result.grads, variables)
+        # forward, loss and the loss-scaled gradient: full batch or micro-batched
+        result = gradients.compute(self, x, y, sample_weight, variables)
+        grads, variables = gradients.connected(self, result.grads, variables)
         if not variables:
             warnings.warn("The model does not have any trainable weights.", stacklevel=2)
-            self._record_metrics(result, tf.constant(True), None)
+            update.record_metrics(self, result, tf.constant(True), None)
             return self.get_metrics_result()
         grads = distributed.all_reduce_sum(grads)
         scale = scaling.current_scale(self.optimizer)
         grads = scaling.unscale(grads, scale)
-        # Norms and clipping see each embedding row once (duplicate ids summed); without
-        # clipping the optimizer gets the gradient as Keras would.
-        unique_rows = [clipping_module.deduplicate(g) for g in grads]
-        grad_norm = tf.linalg.global_norm(unique_rows)
-        # inf/NaN anywhere makes the norm non-finite; so does a norm beyond float32's range
-        # (~1.8e19), which is treated as a divergence too. One check instead of one per variable.
-        finite = ops.isfinite(grad_norm)
-        # The global-batch losses: the non-finite-loss check (same decision on every replica)
-        # and the weighting's state. Per-replica losses are shares of the global losses
-        # (keras_fastloop._step.loss_shares), so their sum is the global loss.
-        lso = scaling.is_loss_scale_optimizer(self.optimizer)
-        needs_global = lso or self._nonfinite != "skip" or self._loss_weighting.has_state_update
+        unique_rows, grad_norm = clipping_module.deduplicated_norm(grads)
         global_losses = None
-        if needs_global and result.global_losses is not None:
-            global_losses = result.global_losses  # from the denominators' all-reduce
-        elif needs_global:
-            local = [result.loss] + list(result.task_losses or [])
-            global_losses = distributed.all_reduce_sum(local)
-        # Under loss scaling an overflow of a finite loss is routine (Keras halves the scale); a
-        # non-finite loss is bad data: skipped without touching the scale.
-        loss_finite = ops.all(ops.isfinite(ops.stack(global_losses))) if needs_global else None
-        halted_before = guards.halted_before(self._nonfinite, self._fastloop_state)
-        allowed = guards.check(
-            self._nonfinite,
-            self._fastloop_state,
-            finite,
-            loss_finite if lso else None,
-            grads,
-            variables,
-            self.optimizer.iterations,
-        )
-        if self._gradient_clipping is not None:
+        if update.needs_global_losses(self):
+            global_losses = loss_shares.global_losses(result)
+        decision = guards.decide(self, grad_norm, global_losses, grads, variables)
+        if self._gradient_clipping is not None:  # else the optimizer gets Keras' gradient
             grads = self._gradient_clipping(unique_rows, variables, grad_norm)
-        applied = finite if allowed is None else ops.logical_and(finite, allowed)
-        lso_condition = None
-        if lso:
-            lso_condition = (
-                loss_finite if allowed is None else ops.logical_and(loss_finite, allowed)
-            )
-        self._apply(grads, variables, applied, scale, lso_condition)
-        skipped = ops.logical_not(applied)
-        if halted_before is not None:  # steps blocked after a halt were not skipped for NaN
-            skipped = ops.logical_and(skipped, ops.logical_not(halted_before))
-        guards.record_skip(
-            self._nonfinite,
-            self._fastloop_state,
-            skipped,
-            loss_finite if lso else None,
-            unique_rows,
-            variables,
-            self.optimizer.iterations,
-        )
-        if self._loss_weighting.has_state_update:
-            distributed.cond(applied, self._loss_weighting.update, args=(list(global_losses[1:]),))
-        self._record_metrics(result, applied, grad_norm)
+        update.apply(self, grads, variables, decision, scale, global_losses)
+        guards.record_skip(self, decision, unique_rows, variables)
+        update.record_metrics(self, result, decision.applied, grad_norm)
         if user_metrics.overrides_compute_metrics(self):
-            return user_metrics.compute_metrics(self, x, y, result.y_pred, sample_weight, applied)
-        return self.get_metrics_result()
-
-    def _apply(self, grads, variables, applied, scale, lso_condition):
-        """Apply the update, or skip it entirely (weights, slots, `iterations`).
-
-        `applied`: the gradient is finite and the non-finite policy allows updates;
-        `lso_condition`: with a `LossScaleOptimizer`, when to hand it the gradient (it skips
-        overflowing updates and halves its scale itself).
-        """
-        optimizer = self.optimizer
-        if not optimizer.built:
-            optimizer.build(self.trainable_variables)
-        grads = scaling.rescale(grads, scale)
-        condition = lso_condition if scaling.is_loss_scale_optimizer(optimizer) else applied
-        with distributed.gradients_already_reduced(optimizer):
-            distributed.cond(condition, lambda g: optimizer.apply(g, variables), args=(grads,))
-
-    def _record_metrics(self, result, applied, grad_norm):
-        """Metrics of an applied step; a skipped one leaves them as if the batch was not seen."""
-        step_metrics = self._step_metrics
-
-        def record():
-            self._record_losses(result)
-            if step_metrics.grad_norm is not None and grad_norm is not None:
-                step_metrics.grad_norm.update_state(grad_norm)
-            result.update_metrics()
-
-        def skip():
-            if result.undo_metrics is not None:
-                result.undo_metrics()
-
-        tf.cond(applied, record, skip)
-        if step_metrics.skipped_steps is not None:
-            step_metrics.skipped_steps.update_state(self._fastloop_state.skipped_steps)
-        if step_metrics.loss_scale is not None:
-            step_metrics.loss_scale.update_state(self.optimizer.dynamic_scale)
-        if result.weights is not None:
-            for metric, weight in zip(step_metrics.weights, tf.unstack(result.weights)):
-                metric.update_state(weight)
-
-    def _record_losses(self, result):
-        self._loss_tracker.update_state(
-            internals.unscale_loss_for_distribution(result.loss), sample_weight=result.batch_size
-        )
-        if result.task_losses is not None:
-            self._compile_loss.record(result.task_losses)
-        if self._step_metrics.objective is not None and result.objective is not None:
-            self._step_metrics.objective.update_state(
-                internals.unscale_loss_for_distribution(result.objective),
-                sample_weight=result.batch_size,
+            return user_metrics.compute_metrics(
+                self, x, y, result.y_pred, sample_weight, decision.applied
             )
+        return self.get_metrics_result()
 
     def test_step(self, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        y_pred = self._forward(x, training=False)
-        _, logged, record = self._loss_terms(x, y, y_pred, sample_weight, training=False)
-        batch_size = _batch_size(x) if record is None else record.batch_size
+        y_pred = objective.forward(self, x, training=False)
+        _, logged, record = objective.loss_terms(self, x, y, y_pred, sample_weight, training=False)
+        batch_size = gradients.batch_size(x) if record is None else record.batch_size
         self._loss_tracker.update_state(
             internals.unscale_loss_for_distribution(logged), sample_weight=batch_size
         )
@@ -608,71 +388,12 @@ class OptimizedTrainer:
     # -------------------------------------------------------------------------- serialization
 
     def get_compile_config(self):
-        if self.compiled and hasattr(self, "_compile_config"):
-            config = self._compile_config.serialize()
-            task_loss = getattr(self, "_compile_loss", None)
-            needs_tasks = self._loss_weighting_given and not self.__dict__.get(
-                "_fastloop_tasks_known_at_compile", False
-            )
-            if needs_tasks and isinstance(task_loss, losses.TaskLoss) and task_loss.names:
-                # Lets a loaded model create its weighting state before its variables load
-                # (a model whose outputs are known builds it in `compile` itself; the default
-                # static weights are rebuilt from `loss_weights` at the first step).
-                config["task_names"] = list(task_loss.names)
-                config["task_weights"] = list(task_loss.static_weights)
-            return config
-        return {}
+        return compile_config.get_compile_config(self)
 
     def compile_from_config(self, config):
-        if type(self).compile is not OptimizedTrainer.compile:  # as keras.Model does
-            warnings.warn(
-                "`compile()` was not called as part of model loading because the model's "
-                "`compile()` method is custom. All subclassed Models that have `compile()` "
-                "overridden should also override `get_compile_config()` and "
-                "`compile_from_config(config)`. Alternatively, you can call `compile()` "
-                "manually after loading.",
-                stacklevel=2,
-            )
-            return
-        config = dict(config)
-        task_names = config.pop("task_names", None)
-        task_weights = config.pop("task_weights", None)
-        # Our own objects (clipping, weighting, ...) resolve even after
-        # `keras.saving.get_custom_objects().clear()`.
-        with keras.saving.custom_object_scope(_registry.library_objects()):
-            config = internals.serialization_lib.deserialize_keras_object(config)
-        self.compile(**config)
-        if task_names is not None:
-            self._build_weighting((task_names, task_weights))
-        if self.built:
-            self.optimizer.build(self.trainable_variables)
+        custom_compile = type(self).compile is not OptimizedTrainer.compile
+        compile_config.compile_from_config(self, config, custom_compile)
 
     # The steps `keras_fastloop._step.prebuild` builds for before the first trace: a class
     # that overrides either is not pre-built.
     _fastloop_default_steps = (train_step, test_step)
-
-
-def _batch_size(x):
-    return ops.shape(next(t for t in tf.nest.flatten(x) if t is not None))[0]
-
-
-def _per_sample_objective(values, weighting):
-    """Keras' total of unreduced task losses: `sum_i w_i * L_i` per sample, and `w`."""
-    weights = weighting.read_weights()
-    objective = values[0] * weights[0]
-    for i, value in enumerate(values[1:], start=1):
-        objective = objective + value * weights[i]
-    return objective, weights
-
-
-class _LossRecord:
-    """What the default `compute_loss` computed, for the step that called it.
-
-    `batch_size`: the global batch's number of samples (the `loss` tracker's weight).
-    """
-
-    def __init__(self, values, objective, weights, reported, batch_size):
-        self.values = values
-        self.objective, self.weights, self.reported = objective, weights, reported
-        self.batch_size = batch_size
-        self.global_losses = None  # [logged loss, *task losses] of the global batch (R > 1)

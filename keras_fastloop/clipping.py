@@ -65,6 +65,16 @@ def deduplicate(gradient: tf.Tensor | tf.IndexedSlices) -> tf.Tensor | tf.Indexe
     return tf.IndexedSlices(rows, unique, gradient.dense_shape)
 
 
+def deduplicated_norm(grads):
+    """`(unique_rows, norm)`: every gradient through `deduplicate`, and their global L2 norm.
+
+    Norms and clipping see each embedding row once (duplicate ids summed); the norm is
+    `tf.linalg.global_norm`'s, float32 scalar.
+    """
+    unique_rows = [deduplicate(g) for g in grads]
+    return unique_rows, tf.linalg.global_norm(unique_rows)
+
+
 def _positive(name, value):
     if (
         isinstance(value, bool)

@@ -27,12 +27,14 @@ every replica.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import keras
 import tensorflow as tf
 from keras import ops
 
+from keras_fastloop._step import scaling
 from keras_fastloop._step.state import state_variable
 from keras_fastloop._warnings import FastloopWarning
 
@@ -86,7 +88,53 @@ def _values(gradient):
     return gradient.values if isinstance(gradient, tf.IndexedSlices) else gradient
 
 
-def halted_before(policy, state):
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """What the step does with this gradient (scalar bool tensors, the same on every replica).
+
+    Attributes:
+        applied: the update is applied: the gradient is finite and the policy allows updates.
+        skipped: the update is skipped for a non-finite value or a loss-scale overflow (a step
+            blocked by an earlier halt of `"raise"`/`"terminate"` is not counted).
+        loss_finite: under loss scaling, the global loss is finite; `None` otherwise.
+        allowed: the policy's condition for any update (`None`: always allowed).
+    """
+
+    applied: object
+    skipped: object
+    loss_finite: object = None
+    allowed: object = None
+
+
+def decide(model, grad_norm, global_losses, grads, variables):
+    """The finite check and the model's non-finite policy: a `Decision`, before the update.
+
+    Args:
+        model: the compiled model (its `compile(nonfinite=...)` policy, its step state, its
+            optimizer's `iterations` for the message).
+        grad_norm: float32 scalar, the global norm of the (cross-replica, unscaled) gradient.
+            inf/NaN anywhere makes it non-finite; so does a norm beyond float32's range
+            (~1.8e19), which is treated as a divergence too: one check instead of one per
+            variable.
+        global_losses: `[loss, *task losses]` of the global batch (`None` when not
+            computed). Under loss scaling the policy acts on them, never on a scale overflow.
+        grads, variables: the unscaled gradients and their variables (to name the culprit).
+    """
+    policy, state, iterations = model._nonfinite, model._fastloop_state, model.optimizer.iterations
+    finite = ops.isfinite(grad_norm)
+    loss_finite = None
+    if scaling.is_loss_scale_optimizer(model.optimizer):
+        loss_finite = ops.all(ops.isfinite(ops.stack(global_losses)))
+    halted = _halted_before(policy, state)
+    allowed = _check(policy, state, finite, loss_finite, grads, variables, iterations)
+    applied = finite if allowed is None else ops.logical_and(finite, allowed)
+    skipped = ops.logical_not(applied)
+    if halted is not None:  # steps blocked after a halt were not skipped for NaN
+        skipped = ops.logical_and(skipped, ops.logical_not(halted))
+    return Decision(applied, skipped, loss_finite, allowed)
+
+
+def _halted_before(policy, state):
     """The halt flag as the step begins (bool scalar tensor), `None` under `"skip"`.
 
     Steps that a halt blocks later in the same execution are not counted as skipped for
@@ -94,23 +142,14 @@ def halted_before(policy, state):
     """
     if policy not in ("raise", "terminate"):
         return None
-    return tf.identity(state.halted.value)  # read now, before `check` assigns it
+    return tf.identity(state.halted.value)  # read now, before `_check` assigns it
 
 
-def check(policy, state, finite, loss_finite, grads, variables, iterations):
+def _check(policy, state, finite, loss_finite, grads, variables, iterations):
     """Apply the policy before the update; returns the extra condition the update needs.
 
-    Args:
-        policy: `"skip"`, `"raise"` or `"terminate"`.
-        state: the model's `StepState`.
-        finite: scalar bool tensor, the (cross-replica) gradient is finite.
-        loss_finite: scalar bool tensor or `None`; with loss scaling, the policy acts on it
-            instead of `finite`.
-        grads, variables: the unscaled gradients and their variables (to name the culprit).
-        iterations: the optimizer's step counter (for the message).
-
-    Returns:
-        `None` (no extra condition) or a scalar bool tensor that must hold for the update.
+    `loss_finite` (loss scaling) is what the policy acts on instead of `finite`. Returns
+    `None` (no extra condition) or a scalar bool tensor that must hold for any update.
     """
     trigger = ops.logical_not(finite if loss_finite is None else loss_finite)
     if policy == "raise":
@@ -129,21 +168,20 @@ def check(policy, state, finite, loss_finite, grads, variables, iterations):
     return None
 
 
-def record_skip(policy, state, skipped, loss_finite, grads, variables, iterations):
-    """Count a skipped step in `skipped_steps` and for the skip report (inside the step).
+def record_skip(model, decision, grads, variables):
+    """Count a skipped step in `skipped_steps` and for the skip report (after the update).
 
     Args:
-        policy: the non-finite policy. Under `"raise"`/`"terminate"` a step skipped for a
-            non-finite value halts training and is said by the error or the stop message, so
+        model: the compiled model. Under its policy `"raise"`/`"terminate"` a step skipped for
+            a non-finite value halts training and is said by the error or the stop message, so
             only loss-scale overflows are counted for the report.
-        state: the model's `StepState`.
-        skipped: scalar bool tensor, this step's update was skipped (not blocked by a halt).
-        loss_finite: scalar bool tensor under loss scaling (a skipped step with a finite loss
-            is a loss-scale overflow, expected), else `None`.
+        decision: this step's `Decision` (under loss scaling a skipped step with a finite
+            loss is a loss-scale overflow, expected).
         grads, variables: the unscaled gradients and their variables (to name the first one
             that is not finite; computed only for the first skipped step of a report).
-        iterations: the optimizer's step counter.
     """
+    policy, state, iterations = model._nonfinite, model._fastloop_state, model.optimizer.iterations
+    skipped, loss_finite = decision.skipped, decision.loss_finite
     state.skipped_steps.assign_add(ops.cast(skipped, "int64"))
     overflow = tf.constant(False) if loss_finite is None else ops.logical_and(skipped, loss_finite)
     real = ops.logical_and(skipped, ops.logical_not(overflow))

@@ -202,3 +202,14 @@ def replica_losses(terms, extra=None):
     shares = [v * sync.factors[i] for i, v in enumerate(values)]
     globals_ = tf.unstack(sync.global_losses, num=len(terms))
     return [global_share(s, g) for s, g in zip(shares, globals_)], sync
+
+
+def global_losses(result):
+    """`[logged loss, *task losses]` of the global batch, for the step's `StepResult`.
+
+    Taken from the denominators' all-reduce when the loss already did one (the plain path under
+    `tf.distribute`), else summed across replicas here (one all-reduce; none with one replica).
+    """
+    if result.global_losses is not None:
+        return result.global_losses
+    return distributed.all_reduce_sum([result.loss] + list(result.task_losses or []))

@@ -24,6 +24,7 @@ from keras import ops
 
 from keras_fastloop import _keras_internals as internals
 from keras_fastloop._step import loss_shares
+from keras_fastloop._step.objective import forward
 from keras_fastloop._step.results import StepResult, restore_point
 from keras_fastloop._warnings import FastloopWarning
 
@@ -151,12 +152,6 @@ def _slice(structure, start, size):
     return tf.nest.map_structure(cut, structure)
 
 
-def _call(model, x, training):
-    if model._call_has_training_arg:
-        return model(x, training=training)
-    return model(x)
-
-
 def _spec(structure):
     """`tf.TensorSpec` of every tensor in `structure`, batch dimension unknown."""
     if structure is None:
@@ -179,7 +174,7 @@ def _detect_masks(model, x, y, sample_weight):
     found = {}
 
     def scratch(x_spec, y_spec, sw_spec):
-        y_pred = _call(model, x_spec, training=False)
+        y_pred = forward(model, x_spec, training=False)
         terms = model._compile_loss.evaluate(y_spec, y_pred, sw_spec)
         found["masked"] = [loss_shares.is_masked(t) for t in terms]
         found["reductions"] = [_reduction(t) for t in terms]
@@ -232,7 +227,7 @@ def _masked_denominators(model, x, y, sample_weight, n, k, masked):
 
     def body(start, size, carry):
         (total,) = carry
-        y_pred = _call(model, _slice(x, start, size), training=False)
+        y_pred = forward(model, _slice(x, start, size), training=False)
         terms = model._compile_loss.evaluate(
             _slice(y, start, size), y_pred, _slice(sample_weight, start, size)
         )
@@ -345,7 +340,7 @@ def accumulate(model, x, y, sample_weight, variables, micro_batch_size):
     if task_loss.names is None or weighting.task_names is None:
         # First trace of a model whose outputs were unknown at compile: build the loss and the
         # weighting (the unused full-batch forward pass is pruned from the graph).
-        task_loss.evaluate(y, _call(model, x, training=False), sample_weight)
+        task_loss.evaluate(y, forward(model, x, training=False), sample_weight)
         model._build_weighting()
     masked, reductions = _detect_masks(model, x, y, sample_weight)
     num_tasks = len(masked)
@@ -373,7 +368,7 @@ def accumulate(model, x, y, sample_weight, variables, micro_batch_size):
         grad_acc, loss_acc, reg_acc = carry
         x_m, y_m, sw_m = (_slice(t, start, size) for t in (x, y, sample_weight))
         with tf.GradientTape() as tape:
-            y_pred = _call(model, x_m, training=True)
+            y_pred = forward(model, x_m, training=True)
             terms = task_loss.evaluate(y_m, y_pred, sw_m)
             contributions = []
             for i, term in enumerate(terms):

@@ -24,6 +24,7 @@ see it); if the symbolic build fails, the rest is left to the trace, as in Keras
 from __future__ import annotations
 
 from keras_fastloop import _keras_internals as internals
+from keras_fastloop._step import objective
 
 
 def _compiled_state_unbuilt(model):
@@ -45,6 +46,16 @@ def _eligible(model):
     )
 
 
+def build_layers(model, x):
+    """Build the model's unbuilt layers with a forward pass on `x` (inside the train step).
+
+    Without a strategy Keras builds in the first trace; the variables must exist before the
+    step reads them (`tf.function` traces once more, with them built).
+    """
+    if not all(layer.built for layer in model._flatten_layers()):
+        objective.forward(model, x, training=False)
+
+
 def build_before_first_trace(model, iterator=None, data_batch=None):
     """Builds the compiled metrics and loss of a built model from the data's spec.
 
@@ -63,7 +74,7 @@ def build_before_first_trace(model, iterator=None, data_batch=None):
         if data_batch is None:
             return
     try:
-        with model._own_step():  # symbolic: no tracker update
+        with objective.own_step(model):  # symbolic: no tracker update
             internals.build_compiled_metrics_and_loss(model, data_batch)
     except Exception:  # noqa: BLE001 - the trace builds what is left, as in keras.Model
         return

@@ -41,3 +41,21 @@ def rescale(grads, scale):
     if scale is None:
         return list(grads)
     return [g * ops.cast(scale, g.dtype) for g in grads]
+
+
+def update_condition(optimizer, decision):
+    """When the step hands the gradient to `optimizer.apply` (scalar bool tensor).
+
+    A plain optimizer gets it when the update is applied (`decision.applied`). A
+    `LossScaleOptimizer` gets it whenever the loss is finite and the non-finite policy allows
+    updates, overflowing gradients included: it skips those updates and halves its scale itself.
+
+    Args:
+        optimizer: the model's optimizer.
+        decision: the step's `keras_fastloop._step.guards.Decision`.
+    """
+    if not is_loss_scale_optimizer(optimizer):
+        return decision.applied
+    if decision.allowed is None:
+        return decision.loss_finite
+    return ops.logical_and(decision.loss_finite, decision.allowed)

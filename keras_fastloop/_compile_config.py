@@ -1,0 +1,66 @@
+"""What `get_compile_config()` saves and `compile_from_config()` restores (`.keras` files).
+
+The config is `CompileSettings.compile_config`'s (only the features that are on, so with every
+feature off it is a `keras.Model` one), plus, for a loss weighting whose tasks were unknown at
+`compile`, the task names and static weights: a loaded model then creates its weighting state
+before its variables load.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import keras
+
+from keras_fastloop import _keras_internals as internals
+from keras_fastloop import _registry
+from keras_fastloop._step import losses
+
+
+def get_compile_config(model):
+    """The model's compile config (a dict; `{}` when it is not compiled)."""
+    if not (model.compiled and hasattr(model, "_compile_config")):
+        return {}
+    config = model._compile_config.serialize()
+    task_loss = getattr(model, "_compile_loss", None)
+    needs_tasks = model._loss_weighting_given and not model.__dict__.get(
+        "_fastloop_tasks_known_at_compile", False
+    )
+    if needs_tasks and isinstance(task_loss, losses.TaskLoss) and task_loss.names:
+        # The default static weights are rebuilt from `loss_weights` at the first step.
+        config["task_names"] = list(task_loss.names)
+        config["task_weights"] = list(task_loss.static_weights)
+    return config
+
+
+def compile_from_config(model, config, custom_compile):
+    """`model.compile(**config)` after deserializing it, as `keras.Model` does.
+
+    Args:
+        model: the model being loaded.
+        config: what `get_compile_config` returned when the model was saved.
+        custom_compile: bool, the model's class overrides `compile`; then, as in Keras,
+            nothing is compiled and a `UserWarning` says so.
+    """
+    if custom_compile:
+        warnings.warn(
+            "`compile()` was not called as part of model loading because the model's "
+            "`compile()` method is custom. All subclassed Models that have `compile()` "
+            "overridden should also override `get_compile_config()` and "
+            "`compile_from_config(config)`. Alternatively, you can call `compile()` "
+            "manually after loading.",
+            stacklevel=3,
+        )
+        return
+    config = dict(config)
+    task_names = config.pop("task_names", None)
+    task_weights = config.pop("task_weights", None)
+    # Our own objects (clipping, weighting, ...) resolve even after
+    # `keras.saving.get_custom_objects().clear()`.
+    with keras.saving.custom_object_scope(_registry.library_objects()):
+        config = internals.serialization_lib.deserialize_keras_object(config)
+    model.compile(**config)
+    if task_names is not None:
+        model._build_weighting((task_names, task_weights))
+    if model.built:
+        model.optimizer.build(model.trainable_variables)

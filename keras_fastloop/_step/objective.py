@@ -1,0 +1,152 @@
+"""The default `compute_loss`: the compiled tasks' losses combined by the loss weighting.
+
+`OptimizedTrainer.compute_loss` (Keras' hook, which users may override) calls `compute_loss`
+here. Besides the scalar to differentiate, it leaves a `LossRecord` on the model for the step
+that called it: the unweighted task losses, the weights, the logged loss and the global
+batch's losses, which `loss_terms` hands to the step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import tensorflow as tf
+from keras import ops
+
+from keras_fastloop import _keras_internals as internals
+from keras_fastloop._step import loss_shares
+
+
+class LossRecord:
+    """What the default `compute_loss` computed, for the step that called it.
+
+    Attributes:
+        values: the unweighted per-task losses (float32 scalars, or `(batch, ...)` tensors
+            with `reduction=None`).
+        objective: what the weighting differentiates (`sum_i w_i L_i` by default).
+        weights: float32 `(T,)`, the weights the weighting used.
+        reported: the logged loss' task part (the tasks weighted by the static `loss_weights`).
+        batch_size: int32 scalar, the global batch's number of samples (the `loss` tracker's
+            weight).
+        global_losses: `[logged loss, *task losses]` of the global batch when the replicas'
+            losses were already all-reduced (`None` otherwise).
+    """
+
+    def __init__(self, values, objective, weights, reported, batch_size):
+        self.values = values
+        self.objective, self.weights, self.reported = objective, weights, reported
+        self.batch_size = batch_size
+        self.global_losses = None
+
+
+def compute_loss(model, y, y_pred, sample_weight):
+    """The scalar the step differentiates (see `OptimizedTrainer.compute_loss`).
+
+    Args:
+        model: the compiled model.
+        y, y_pred, sample_weight: as Keras' `compute_loss`.
+
+    Returns:
+        float32 scalar (or Keras' per-sample total, `(batch, ...)`, with losses of
+        `reduction=None`): the weighting's objective plus the regularization and `add_loss`
+        losses.
+
+    Raises:
+        ValueError: when there is no loss at all (no compiled loss, no `add_loss`).
+    """
+    terms, record = [], None
+    regularization = [
+        internals.scale_loss_for_distribution(ops.sum(ops.cast(r, "float32"))) for r in model.losses
+    ]
+    task_loss = model._compile_loss
+    if task_loss is not None:
+        regularization_sum = ops.sum(ops.stack(regularization)) if regularization else None
+        record = _task_record(
+            model, task_loss.evaluate(y, y_pred, sample_weight), regularization_sum
+        )
+        terms.append(record.objective)
+    terms += regularization
+    if not terms:
+        raise ValueError("No loss to compute. Provide a `loss` argument in `compile()`.")
+    if record is not None and not model.__dict__.get("_fastloop_own_step"):
+        # Called from a user's own train_step/test_step: update the `{name}_loss` trackers
+        # here, as Keras' CompileLoss does (our steps record after the guards).
+        task_loss.record(record.values)
+    object.__setattr__(model, "_loss_record", record)
+    if len(terms) == 1:
+        return terms[0]
+    if terms[0].shape.rank:  # per-sample losses plus the (scalar) regularization
+        return terms[0] + ops.sum(ops.stack(terms[1:]))
+    return ops.sum(ops.stack(terms))
+
+
+def _task_record(model, task_terms, regularization_sum):
+    """The `LossRecord` of the compiled tasks' `TaskTerm`s."""
+    # Under tf.distribute: the replicas' shares of the global losses (one all-reduce, which
+    # also gives the global batch size and the global losses).
+    values, sync = loss_shares.replica_losses(task_terms, regularization_sum)
+    model._build_weighting()
+    weighting = model._loss_weighting
+    if any(value.shape.rank for value in values):
+        # reduction=None (one replica, static weights: compile checks it). As in Keras the
+        # tape sums the per-sample losses and the trackers average them.
+        objective, weights = _per_sample_objective(values, weighting)
+    else:
+        objective, weights = weighting.combine(values)
+    reported, per_task = objective, weights
+    if not model._loss_is_objective:
+        per_task = ops.convert_to_tensor(model._compile_loss.static_weights, "float32")
+        reported = ops.sum(ops.stack(values) * per_task)
+    record = LossRecord(values, objective, weights, reported, sync.batch_size)
+    if sync.global_losses is not None:  # the step's global losses, no second collective
+        logged = ops.sum(sync.global_losses * per_task)
+        if sync.global_extra is not None:
+            logged = logged + sync.global_extra
+        record.global_losses = [logged, *tf.unstack(sync.global_losses)]
+    return record
+
+
+def _per_sample_objective(values, weighting):
+    """Keras' total of unreduced task losses: `sum_i w_i * L_i` per sample, and `w`."""
+    weights = weighting.read_weights()
+    objective = values[0] * weights[0]
+    for i, value in enumerate(values[1:], start=1):
+        objective = objective + value * weights[i]
+    return objective, weights
+
+
+def loss_terms(model, x, y, y_pred, sample_weight, training):
+    """`(total, logged loss, record)` through the model's `compute_loss` (overrides included).
+
+    `record` is the `LossRecord` of the default `compute_loss`, `None` when an override did
+    not call it (the logged loss is then the total).
+    """
+    object.__setattr__(model, "_loss_record", None)
+    with own_step(model):
+        total = model._compute_loss(
+            x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training
+        )
+    record = model.__dict__.get("_loss_record")
+    object.__setattr__(model, "_loss_record", None)
+    if record is None:
+        return total, total, None
+    return total, total + (record.reported - record.objective), record
+
+
+@contextlib.contextmanager
+def own_step(model):
+    """Marks `compute_loss` calls made by the library's steps, which record the task losses
+    themselves (after the non-finite guards, or per micro-batch)."""
+    before = model.__dict__.get("_fastloop_own_step", False)
+    object.__setattr__(model, "_fastloop_own_step", True)
+    try:
+        yield
+    finally:
+        object.__setattr__(model, "_fastloop_own_step", before)
+
+
+def forward(model, x, training):
+    """`model(x, training=training)`, or `model(x)` when its `call` takes no `training`."""
+    if model._call_has_training_arg:
+        return model(x, training=training)
+    return model(x)
