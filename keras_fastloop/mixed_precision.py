@@ -1,4 +1,8 @@
+# Over 500 lines on purpose: it is one public module (`keras_fastloop.mixed_precision`) whose three
+# pieces share `HardwareInfo` and the policy names; each piece is short, and splitting it would
+# make users import from three places.
 """Hardware-aware choice of the Keras dtype policy, and float32-output checks.
+
 
 Three pieces:
 

@@ -216,3 +216,28 @@ def test_the_check_fails_on_a_module_in_no_layer(tmp_path):
 def test_cycles_finds_a_synthetic_cycle_and_none_in_a_tree():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert cycles({"a": {"b", "c"}, "b": {"c"}, "c": set()}) == []
+
+
+LONG_FILE_REASON = "# Over 500 lines on purpose:"
+
+
+def long_files_without_reason(package_dir, limit=500):
+    """The package's `.py` files over `limit` lines whose first line gives no reason."""
+    found = []
+    for path in sorted(Path(package_dir).rglob("*.py")):
+        lines = path.read_text().splitlines()
+        if len(lines) > limit and not lines[0].startswith(LONG_FILE_REASON):
+            found.append(f"{path.relative_to(package_dir)} ({len(lines)} lines)")
+    return found
+
+
+def test_no_file_of_the_package_is_over_500_lines_without_a_reason_at_its_top():
+    assert long_files_without_reason(ROOT / PACKAGE) == []
+
+
+def test_the_long_file_check_finds_a_long_file_and_accepts_its_reason(tmp_path):
+    (tmp_path / "short.py").write_text("x = 1\n" * 10)
+    (tmp_path / "long.py").write_text("x = 1\n" * 501)
+    assert long_files_without_reason(tmp_path) == ["long.py (501 lines)"]
+    (tmp_path / "long.py").write_text(f"{LONG_FILE_REASON} one table.\n" + "x = 1\n" * 501)
+    assert long_files_without_reason(tmp_path) == []

@@ -1,4 +1,8 @@
+# Over 500 lines on purpose: the default suite's contenders, its run loop and its report sections
+# are one table's parts; the parts other suites share already live in `harness.py`, `stock.py`
+# and `own_process.py`.
 """The main job: plain `fit` vs the seed's hand-written loops vs OptimizedModel, on real data.
+
 
 Every contender trains the same small CNN from identical initial weights on scikit-learn's
 digits (1,797 real images, upsampled to 16x16; a stratified 20% held out for validation), with

@@ -1,4 +1,7 @@
+# Over 500 lines on purpose: the counting convention (this docstring) and the per-layer rules that
+# follow it must be read together, as must the CPU peak table and the flags it reads.
 """Model FLOPs per sample and the machine's peak FLOP/s, so every bench figure has a ceiling.
+
 
 **Counting convention.** One multiply-accumulate (MAC) is 2 FLOPs. Per sample, forward pass:
 

@@ -1,3 +1,5 @@
+# Over 500 lines on purpose: one callback whose save/restore of the training metrics around
+# `evaluate` must be read as a whole (the two Keras behaviours this docstring names).
 """Validation every N optimizer updates (or every N epochs) inside `fit`.
 
 Two Keras behaviours shape this callback:

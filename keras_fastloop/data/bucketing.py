@@ -1,3 +1,5 @@
+# Over 500 lines on purpose: `bucket_by_length`, its boundaries and `BucketPlan` share the
+# inclusive-boundary convention and the argument checks; half the file is their docstrings.
 """Length bucketing for variable-length sequences, on top of tf.data's `bucket_by_sequence_length`.
 
 A bucket boundary is the *inclusive* maximum length of its bucket, and with

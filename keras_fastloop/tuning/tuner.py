@@ -1,4 +1,7 @@
+# Over 500 lines on purpose: one state machine (`StepsPerExecutionTuner`) whose transitions read
+# and write the same fields; split into files, one transition table would be spread over them.
 """The pure `steps_per_execution` tuner: a state machine fed with `(steps, seconds)`.
+
 
 It knows no clock and no model, so tests drive it with made-up numbers. How `fit` uses it is in
 `keras_fastloop._fit_loop` and `docs/fit_loop.md`.

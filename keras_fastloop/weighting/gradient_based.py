@@ -1,3 +1,5 @@
+# Over 500 lines on purpose: eight methods of one family on one base class; each method's Gram-
+# space solver sits next to the others it reuses (min-norm, simplex projection, quadratic program).
 """Gradient-based multi-task methods: GradNorm, PCGrad, CAGrad, MGDA, IMTL, Nash-MTL,
 Aligned-MTL and UPGrad.
 
