@@ -179,3 +179,34 @@ def test_workload_suites_quick(tmp_path, suite):
     assert ours and all(r["vs_keras_at_best"] > 0 for r in ours)
     for suffix in ("md", "json", "png"):
         assert (tmp_path / f"{suite.__name__.rsplit('.', 1)[1]}.{suffix}").stat().st_size > 0
+
+
+def _timed_run(train_seconds, walls, losses):
+    run = harness.Run(name="r", epochs=len(losses), initial_weights=[])
+    run.curve = list(zip(walls, losses))
+    run.train_seconds = list(train_seconds)
+    run.samples = [100] * len(losses)
+    return run
+
+
+def test_time_to_target_parts_add_up_to_the_wall_time_to_target():
+    # epoch walls 3.0, 4.5, 6.0, 7.5: training 1.5, 1.0, 1.0, 1.0 -> non-training 1.5, 0.5, 0.5, 0.5
+    run = _timed_run([1.5, 1.0, 1.0, 1.0], [3.0, 4.5, 6.0, 7.5], [0.9, 0.6, 0.3, 0.1])
+    parts = run.time_to_target_parts(0.3)  # reached in epoch 3 (wall 6.0)
+    assert parts == pytest.approx(
+        {"epochs": 3, "setup": 1.0, "first_epoch": 1.5, "later_epochs": 2.0, "validation": 1.5}
+    )
+    assert sum(parts[k] for k in harness.PARTS) == pytest.approx(run.time_to_loss(0.3))
+    assert run.time_to_target_parts(0.01) is None  # never reached
+
+
+def test_parts_section_gives_each_contender_and_the_smallest_of_each_part():
+    fast_start = _timed_run([0.5, 1.0], [1.0, 2.5], [0.5, 0.1])  # setup 0, val 0.5 each
+    fast_steps = _timed_run([2.0, 0.5], [4.0, 5.0], [0.5, 0.1])  # setup 1.5, val 0.5 each
+    runs = {"a": [fast_start], "b": [fast_steps]}
+    rows = harness.summarize(runs, 0.1, "a")
+    section = harness.parts_section(rows, ["a", "b", "missing"], 0.1)
+    assert "| a | 2 | 0.00 | 0.50 | 1.00 | 1.00 | 2.50 |" in section
+    assert "| b | 2 | 1.50 | 2.00 | 0.50 | 1.00 | 5.00 |" in section
+    assert "| limit (smallest of each part) | 2 | 0.00 | 0.50 | 0.50 | 1.00 | 2.00 |" in section
+    assert harness.parts_section(harness.summarize(runs, 0.01, "a"), ["a"], 0.01) == ""

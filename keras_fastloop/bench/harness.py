@@ -153,6 +153,34 @@ class Run:
         """Training time of the first epoch, which includes tracing the step (seconds)."""
         return self.train_seconds[0] if self.train_seconds else float("nan")
 
+    def time_to_target_parts(self, target):
+        """Where the wall time to `target` went: a dict of seconds, or `None` if never reached.
+
+        Keys: `epochs` (epochs trained until the loss was <= target), `setup` (before the first
+        epoch: building, compiling, the data), `first_epoch` (its training, tracing included),
+        `later_epochs` (the training of the other epochs until the target), `validation` (the
+        validation passes and epoch ends until the target). Training times are measured
+        (`EpochTimer`); an epoch's non-training time is its wall time minus its training; the
+        first epoch's is split into setup and validation by taking the median non-training
+        time of the later epochs as its validation (all of it with a single epoch).
+        """
+        reached = [i for i, (_, loss) in enumerate(self.curve) if loss <= target]
+        if not reached or len(self.train_seconds) < len(self.curve):
+            return None
+        k = reached[0]
+        walls = [0.0] + [seconds for seconds, _ in self.curve]
+        rest = [walls[i + 1] - walls[i] - self.train_seconds[i] for i in range(len(self.curve))]
+        later_rest = rest[1:]
+        first_validation = statistics.median(later_rest) if later_rest else rest[0]
+        first_validation = min(first_validation, rest[0])
+        return {
+            "epochs": k + 1,
+            "setup": rest[0] - first_validation,
+            "first_epoch": self.train_seconds[0],
+            "later_epochs": sum(self.train_seconds[1 : k + 1]),
+            "validation": first_validation + sum(rest[1 : k + 1]),
+        }
+
     def time_to_loss(self, target):
         """Wall seconds (training + validation) until the epoch training loss is <= target."""
         for seconds, loss in self.curve:
@@ -240,9 +268,57 @@ def summarize(runs, target_loss, baseline):
                 "val_accuracy": _median([r.val_accuracy for r in rs]),
                 "peak_rss_growth_mb": _median([r.peak_memory_mb for r in rs]),
                 "total_seconds": _median([r.total_seconds for r in rs]),
+                "time_to_target_parts": _median_parts(rs, target_loss),
             }
         )
     return rows
+
+
+PARTS = ("setup", "first_epoch", "later_epochs", "validation")
+
+
+def _median_parts(runs_of_one, target_loss):
+    """`Run.time_to_target_parts` of the median round by time to target (`None`: not reached).
+
+    One round's parts, not per-part medians, so they add up to that round's time to target.
+    """
+    return runs_of_one[median_round(runs_of_one, target_loss)].time_to_target_parts(target_loss)
+
+
+def parts_section(rows, names, target_loss):
+    """Markdown: where the time to the target loss went, for the contenders `names`.
+
+    One row per contender (its median round by time to target) and a last row, "limit": each
+    part's smallest value among the rows, i.e. what a contender would take if it matched the
+    best measured one on every part. `""` when no row reached the target.
+    """
+    by_name = {r["contender"]: r for r in rows}
+    picked = [(n, by_name[n]["time_to_target_parts"]) for n in names if n in by_name]
+    picked = [(n, p) for n, p in picked if p is not None]
+    if not picked:
+        return ""
+    lines = [
+        f"Where the time to train loss ≤ {target_loss:g} went (seconds, the median round by time "
+        "to target; validation = wall time minus measured training time, the first epoch's "
+        "split off from setup by the later epochs' median):\n",
+        "| contender | epochs to target | setup | first epoch (training) "
+        "| later epochs (training) | validation, epoch ends | total |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, p in picked:
+        total = sum(p[k] for k in PARTS)
+        lines.append(
+            f"| {name} | {p['epochs']} | "
+            + " | ".join(f"{p[k]:.2f}" for k in PARTS)
+            + f" | {total:.2f} |"
+        )
+    limit = {k: min(p[k] for _, p in picked) for k in PARTS}
+    lines.append(
+        f"| limit (smallest of each part) | {min(p['epochs'] for _, p in picked)} | "
+        + " | ".join(f"{limit[k]:.2f}" for k in PARTS)
+        + f" | {sum(limit.values()):.2f} |"
+    )
+    return "\n".join(lines) + "\n"
 
 
 def _per_round(ratios):

@@ -144,7 +144,8 @@ def at_best_section(runs, rows, ours, baseline, target_loss, candidates=SPE_CAND
         candidates: the fixed `steps_per_execution` values that ran.
 
     Returns:
-        str, a markdown paragraph and table (`""` when no stock row ran).
+        str, a markdown paragraph and table, then `harness.parts_section` for `fit` at the
+        same policy, Keras at its best and `ours` (`""` when no stock row ran).
     """
     best = keras_at_its_best(rows, candidates)
     if best is None:
@@ -184,8 +185,11 @@ def at_best_section(runs, rows, ours, baseline, target_loss, candidates=SPE_CAND
             f"{row['speedup_to_target_vs_policy_fit']:.2f}× | "
             f"{row['speedup_to_target_vs_keras_at_best']:.2f}× |"
         )
-    del baseline, target_loss  # named in the table head through the rows' own ratios
-    return "\n".join(lines) + "\n"
+    del baseline  # named in the table head through the rows' own ratios
+    same_policy_name = POLICY_FIT if POLICY_FIT in by_name else best
+    names = list(dict.fromkeys([same_policy_name, best, *ours]))
+    parts = harness.parts_section(rows, names, target_loss)
+    return "\n".join(lines) + "\n" + ("\n" + parts if parts else "")
 
 
 # -- Keras on JAX, in its own process ------------------------------------------------------
