@@ -18,7 +18,9 @@ from keras_fastloop.callbacks import PeriodicValidation, ProfilerWindow
 from keras_fastloop.model import OptimizedModel
 from keras_fastloop.tuning import StepsPerExecutionTuner
 
-SPE = [1, 4, "auto"]
+# "auto-largest": "auto" with the tuner it creates by default, which screens the first step and
+# then pairs the largest count that fits with one step (`largest_first`)
+SPE = [1, 4, "auto", "auto-largest"]
 
 
 class _FakeClock:
@@ -34,10 +36,22 @@ def make_model(steps_per_execution=1, features=8, seed=0):
     inputs = keras.Input((features,))
     hidden = keras.layers.Dense(4, activation="tanh")(inputs)
     model = OptimizedModel(inputs, keras.layers.Dense(1)(hidden))
-    model.compile(keras.optimizers.SGD(0.01), "mse", steps_per_execution=steps_per_execution)
-    if steps_per_execution == "auto":
+    auto = steps_per_execution in ("auto", "auto-largest")
+    model.compile(
+        keras.optimizers.SGD(0.01),
+        "mse",
+        steps_per_execution="auto" if auto else steps_per_execution,
+    )
+    if auto:
         state = model._fastloop_auto_spe
-        state.tuner = StepsPerExecutionTuner(window=1, min_window_seconds=0, max_steps=32)
+        largest = steps_per_execution == "auto-largest"
+        state.tuner = StepsPerExecutionTuner(
+            window=1,
+            min_window_seconds=0,
+            max_steps=32,
+            max_seconds_per_step=0.05 if largest else None,
+            largest_first=largest,
+        )
         state.clock = _FakeClock()
         state.compile_in_background = False  # deterministic, as the clock
     return model
@@ -165,7 +179,12 @@ def reference_run(samples, validation_samples):
 
 @pytest.mark.parametrize(
     "spe",
-    [pytest.param(1, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow), "auto"],
+    [
+        pytest.param(1, marks=pytest.mark.slow),
+        pytest.param(4, marks=pytest.mark.slow),
+        "auto",
+        "auto-largest",
+    ],
 )
 def test_mid_epoch_resume_under_every_steps_per_execution(tmp_path, spe):
     """2,048 samples, batch 4, 3 epochs, BackupAndRestore(save_freq=50), crash at epoch 1 batch
@@ -203,7 +222,7 @@ def test_mid_epoch_resume_under_every_steps_per_execution(tmp_path, spe):
     )
     assert first[0][0] > 0 and first[0][1] == 512 + first[0][0]  # resumed mid-epoch 1
     assert iterations(resumed) == 1536
-    if spe == "auto":
+    if spe in ("auto", "auto-largest"):
         sizes = [k for _, k in executions(resumed)]
         assert max(sizes) > 1 and sum(sizes) == 1536 - first[0][1]
     assert max_weight_difference(resumed, reference) <= 1e-6
@@ -225,7 +244,7 @@ def test_backup_and_restore_saves_where_the_user_asked(tmp_path, spe):
     assert backup.saves == [8, 16, 24, 32]
 
 
-@pytest.mark.parametrize("spe", [1, "auto"])
+@pytest.mark.parametrize("spe", [1, "auto", "auto-largest"])
 def test_model_checkpoint_save_freq_lands_on_multiples(tmp_path, spe):
     """save_freq=6 over 2 epochs of 32 batches: saves after steps 6, 12, ..., 60 (the tuner's
     powers of two would otherwise cross the save points)."""
@@ -234,7 +253,7 @@ def test_model_checkpoint_save_freq_lands_on_multiples(tmp_path, spe):
     checkpoint = SavedAt.checkpoint(str(tmp_path / "w.weights.h5"), save_freq=6)
     model.fit(dataset(x, y), epochs=2, verbose=0, callbacks=[checkpoint])
     assert checkpoint.saves == list(range(6, 61, 6))
-    if spe == "auto":
+    if spe != 1:
         assert max(k for _, k in executions(model)) == 6  # grouped, never across a save
 
 

@@ -1013,3 +1013,99 @@ def test_a_retune_after_drift_screens_again_and_never_runs_a_larger_count():
     assert set(proposals) == {1}
     assert ("retune", 1, 5.0) in tuner.history
     assert tuner.history[-1] == ("settle", 1, "long step") and tuner.phase == "settled"
+
+
+# -- largest_first: after a short screened step, the largest count is the first candidate ----
+
+
+def largest_first(**kwargs):
+    return StepsPerExecutionTuner(
+        warmup_executions=0,
+        window=1,
+        min_window_seconds=0,
+        max_seconds_per_step=0.05,
+        largest_first=True,
+        **kwargs,
+    )
+
+
+def test_largest_first_pairs_the_largest_count_that_fits_the_epoch_with_the_best():
+    tuner = largest_first()
+    tuner.set_horizon(23)  # an epoch of 23 batches, the last one maybe partial
+    assert tuner.propose() == 1
+    tuner.observe(1, 0.005)  # screening: 5 ms a step, short
+    # a pair (21, 1) fits the epoch with one step to spare (the partial last batch)
+    assert tuner.history == [("largest", 21, 200.0)]
+    assert [tuner.propose(), tuner.propose()] == [21, 21]  # proposing changes nothing
+    tuner.observe(21, 21 * 0.004 + 0.001)  # T(k) = 1 ms + 4 ms k
+    assert tuner.propose() == 1
+    tuner.observe(1, 0.005)
+    # 21 pays (1.19x); T(k) = 1 ms + 4 ms k asks for k >= 50 at 0.5 % overhead: the cap
+    assert tuner.phase == "settled" and tuner.propose() == 23
+    assert tuner.history[-1] == ("settle", 23, "cost model")
+
+
+def test_largest_first_stays_within_max_seconds_per_execution_and_max_steps():
+    tuner = largest_first(max_seconds_per_execution=0.1)
+    tuner.observe(1, 0.008)  # 8 ms a step: 12 steps fit in 0.1 s
+    assert tuner.propose() == 12
+    tuner = largest_first(max_steps=16)
+    tuner.observe(1, 0.001)  # no horizon: max_steps, not max_steps - 2
+    assert tuner.propose() == 16
+
+
+def test_largest_first_settles_at_the_cap_on_a_tie():
+    # no measurable gain: grouping adds no work per step, so the ladder would grow to the cap
+    tuner = largest_first()
+    tuner.set_horizon(23)
+    tuner.observe(1, 0.004)
+    tuner.observe(21, 21 * 0.004)
+    tuner.observe(1, 0.004)
+    assert (tuner.phase, tuner.propose()) == ("settled", 23)
+    assert tuner.history[-1] == ("settle", 23, "tie at the largest")
+
+
+def test_largest_first_falls_back_to_the_ladder_when_the_largest_is_slower():
+    tuner = largest_first()
+    tuner.set_horizon(23)
+    tuner.observe(1, 0.004)
+    tuner.observe(21, 21 * 0.005)  # 20 % slower per step than one at a time
+    tuner.observe(1, 0.004)
+    assert tuner.phase == "probing"
+    assert [tuner.propose(), tuner.best_steps] == [4, 1]  # the ladder, not screened again
+    tuner.observe(4, 4 * 0.005)
+    tuner.observe(1, 0.004)
+    # a miss, patience left: the ladder goes on as without largest_first
+    assert tuner.phase == "probing" and tuner.propose() == 16
+
+
+def test_largest_first_keeps_a_long_step_at_one():
+    tuner = largest_first()
+    tuner.set_horizon(23)
+    tuner.observe(1, 0.08)
+    assert (tuner.phase, tuner.propose()) == ("settled", 1)
+    assert ("largest", 21, 12.5) not in tuner.history
+
+
+def test_largest_first_never_goes_below_the_ladder():
+    tuner = largest_first()
+    tuner.set_horizon(5)  # 5 - 1 - 1 = 3 < 4: the ladder's candidate stays
+    tuner.observe(1, 0.004)
+    assert tuner.propose() == 4 and not any(h[0] == "largest" for h in tuner.history)
+
+
+def test_largest_first_is_validated_and_in_the_config():
+    with pytest.raises(ValueError, match="largest_first.*Received"):
+        StepsPerExecutionTuner(max_seconds_per_step=0.05, largest_first=1)
+    with pytest.raises(ValueError, match="needs `max_seconds_per_step`.*Received"):
+        StepsPerExecutionTuner(largest_first=True)
+    config = largest_first().get_config()
+    assert config["largest_first"] is True
+    assert StepsPerExecutionTuner(**config).get_config() == config
+
+
+def test_auto_creates_a_tuner_that_probes_the_largest_count_first():
+    from keras_fastloop.tuning import _glue
+
+    _, state = _glue.resolve_steps_per_execution("auto")
+    assert state.tuner.largest_first is True

@@ -139,7 +139,9 @@ def resolve_steps_per_execution(value, tuner=None):
     value = validate_steps_per_execution(value)
     if value == AUTO:
         if tuner is None:
-            tuner = StepsPerExecutionTuner(max_seconds_per_step=AUTO_MAX_SECONDS_PER_STEP)
+            tuner = StepsPerExecutionTuner(
+                max_seconds_per_step=AUTO_MAX_SECONDS_PER_STEP, largest_first=True
+            )
         return 1, _AutoState(tuner)
     return value, None
 

@@ -151,9 +151,22 @@ class StepsPerExecutionTuner:
             loop costs seconds of the first epoch (issue 30). Defaults to `None`: no
             screening (the probe starts with the first candidate). `compile(
             steps_per_execution="auto")` passes `0.05` (`AUTO_MAX_SECONDS_PER_STEP`).
+        largest_first: bool. After a screened step under `max_seconds_per_step`, the first
+            candidate is the largest count whose pair with the best fits below the horizon
+            with one step to spare (an epoch's partial last batch stays out of the pair),
+            within `max_steps` and, at the screened time per step, within
+            `max_seconds_per_execution` (never below the ladder's candidate; history entry
+            `("largest", steps, screened steps/s)`). Paired with the best, it pays (the cost
+            model, fitted on two counts far apart, chooses), ties (settles at the cap, reason
+            `"tie at the largest"`: the ladder would grow there) or is slower (the ladder
+            from the best). Most of the probe's steps then run at the large count, and one
+            decision replaces the ladder's rungs, each a paired window long. Defaults to
+            `False`; `True` requires `max_seconds_per_step`. `compile(
+            steps_per_execution="auto")` passes `True`.
 
     Raises:
-        ValueError: an argument out of range.
+        ValueError: an argument out of range, or `largest_first=True` without
+            `max_seconds_per_step`.
 
     Example:
         >>> tuner = StepsPerExecutionTuner(warmup_executions=0, window=1, min_window_seconds=0)
@@ -187,6 +200,7 @@ class StepsPerExecutionTuner:
         max_seconds_per_execution: float = 1.0,
         overhead_tolerance: float | None = 0.005,
         max_seconds_per_step: float | None = None,
+        largest_first: bool = False,
     ) -> None:
         check_int, check_real = _validation.check_int, _validation.check_real
         self.initial = check_int("initial", initial, minimum=1)
@@ -230,6 +244,17 @@ class StepsPerExecutionTuner:
             exclusive_minimum=True,
             allow_none=True,
         )
+        if not isinstance(largest_first, bool):
+            raise ValueError(
+                f"`largest_first` must be a bool. Received: largest_first={largest_first!r}"
+            )
+        if largest_first and self.max_seconds_per_step is None:
+            raise ValueError(
+                "`largest_first=True` needs `max_seconds_per_step`: the screened time per step "
+                "bounds the first candidate's execution time. Received: largest_first=True, "
+                "max_seconds_per_step=None"
+            )
+        self.largest_first = largest_first
         # the first measurement runs the initial count alone: a step longer than
         # max_seconds_per_step settles there before any larger count is proposed (or compiled)
         self.horizon = None
@@ -367,8 +392,11 @@ class StepsPerExecutionTuner:
             return
         if self._screening:
             self._screening = False
-            if self.phase == "probing" and seconds / steps > self.max_seconds_per_step:
-                self._settle(reason="long step")
+            if self.phase == "probing":
+                if seconds / steps > self.max_seconds_per_step:
+                    self._settle(reason="long step")
+                elif self.largest_first:
+                    self._candidate_from_largest(steps, seconds)
             return  # a screening measurement is not part of a paired window
         probing = self.phase == "probing"
         if probing and due == self.best_steps:
@@ -412,6 +440,7 @@ class StepsPerExecutionTuner:
         `gain`: the median ratio of its rates to the paired best's; `best_rate`,
         `best_seconds`: the best's medians."""
         self.best_rate = best_rate
+        largest, self._largest_probe = self._largest_probe, False
         if gain > (1.0 + self.min_gain) * (1.0 + _ROUNDING):  # it pays
             if self.overhead_tolerance is not None:
                 fit = ((self.best_steps, best_seconds), (self.candidate, seconds))
@@ -423,6 +452,14 @@ class StepsPerExecutionTuner:
                     self._settle(reason="cost model")
                     return
             self._adopt(rate, standing=1.0)  # a ladder, or a fit that cannot extrapolate
+        elif largest:
+            if gain >= (1.0 - self.min_gain) * (1.0 - _ROUNDING):  # a tie: the ladder's end
+                self.best_steps = self.cap
+                self.best_rate = rate if self.cap == self.candidate else None
+                self._settle(reason="tie at the largest")
+            else:  # slower: the ladder from the best count
+                self._probe_from(self.best_steps, screen=False)
+            return
         else:
             # a tie is the measurement's noise (grouping adds no work per step), unless the
             # ties since the last count that paid add up to a loss
@@ -448,6 +485,20 @@ class StepsPerExecutionTuner:
         else:
             self._settle(reason="max seconds")
 
+    def _candidate_from_largest(self, steps, seconds):
+        """After a short screened step (`largest_first`): the first candidate is the largest
+        count whose pair with the best fits between two horizon boundaries (an epoch end, a
+        step event), within `max_steps` and, at the screened time per step, within
+        `max_seconds_per_execution`; never below the ladder's candidate."""
+        largest = self.cap
+        if self.horizon is not None:  # one step to spare: an epoch's partial last batch
+            largest = min(largest, self.horizon - self.best_steps - 1)
+        largest = min(largest, math.floor(self._steps_in_time(steps, seconds)))
+        if largest > self.candidate:
+            self.candidate = largest
+            self._largest_probe = True
+            self.history.append(("largest", largest, steps / seconds))
+
     def _steps_in_time(self, steps, seconds):
         """How many steps fit in `max_seconds_per_execution` at `steps` per `seconds` (a float,
         `inf` for a time too small to divide by)."""
@@ -460,12 +511,14 @@ class StepsPerExecutionTuner:
         self._standing = standing
         self._misses = 0
 
-    def _probe_from(self, best):
-        """Starts probing: `best` is the count to beat, the candidate `growth_factor` times it."""
+    def _probe_from(self, best, screen=True):
+        """Starts probing: `best` is the count to beat, the candidate `growth_factor` times it
+        (`screen=False`: without screening the best count's time per step first)."""
         self.phase = "probing"
         # every probe (the first, and a retune after drift) first runs the best count alone: a
         # step longer than max_seconds_per_step settles there before any larger count runs
-        self._screening = self.max_seconds_per_step is not None
+        self._screening = screen and self.max_seconds_per_step is not None
+        self._largest_probe = False
         self.best_steps, self.best_rate = min(best, self.cap), None
         self.candidate = min(self.best_steps * self.growth_factor, self.cap)
         self._clear_windows()
@@ -513,7 +566,9 @@ class StepsPerExecutionTuner:
         self.phase = "settled"
         self.candidate = self.best_steps = min(self.best_steps, self.cap)
         # whether the cap chose the count (set_horizon revisits it when the cap rises)
-        self._capped = reason == "cap" or (reason == "cost model" and self.candidate == self.cap)
+        self._capped = reason == "cap" or (
+            reason in ("cost model", "tie at the largest") and self.candidate == self.cap
+        )
         self._clear_windows()
         self.reference_rate = self.best_rate
         self._drifts = 0
@@ -549,4 +604,5 @@ class StepsPerExecutionTuner:
             "max_seconds_per_execution": self.max_seconds_per_execution,
             "overhead_tolerance": self.overhead_tolerance,
             "max_seconds_per_step": self.max_seconds_per_step,
+            "largest_first": self.largest_first,
         }
