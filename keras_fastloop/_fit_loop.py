@@ -122,9 +122,7 @@ def fit(model, keras_fit, args, kwargs):
         if run.iterator is not None:
             run.iterator.__dict__.pop("_enumerate_iterator", None)
         if auto is not None:
-            auto.k, auto.loop_wanted = 1, False
-            if auto.multi_step is not None:
-                auto.multi_step.join()
+            auto.k, auto.use_loop = 1, False
 
 
 class _ExecutionClock(keras.callbacks.Callback):
@@ -241,24 +239,23 @@ def _grouped(run, slots):
     read_step = events.reads_optimizer_step(run.callbacks)
     # Grouping needs the data's length and our variable-count train function (a train function
     # Keras built before, e.g. while `run_eagerly` was on, runs one step whatever `k` says)
-    groupable = iterator.data_adapter.num_batches is not None and state.multi_step is not None
+    groupable = iterator.data_adapter.num_batches is not None and state.variable_steps
+    tuner = state.tuner
+    # One function compiles per fit: the loop (one step included) when this fit may group, else
+    # Keras' one-step function (a cap of 1, or a count settled at 1 by an earlier fit)
+    state.use_loop = (
+        groupable and tuner.cap > 1 and not (tuner.phase == "settled" and tuner.steps == 1)
+    )
     num_batches = iterator.num_batches
     for begin, end, data_iterator in slots:
-        taken, last, gap, measured = 1, end, None, groupable
-        state.loop_wanted = False
+        taken, last, gap = 1, end, None
         if groupable:
             limit = num_batches - begin if num_batches else None
             step = int(keras.ops.convert_to_numpy(model.optimizer.iterations)) if read_step else 0
             gap = events.batches_until_next_event(run.callbacks, step, begin, accumulation)
             if gap is not None:
                 limit = gap if limit is None else min(limit, gap)
-            k = state.tuner.propose(limit)
-            # the count due, before the limit cuts it: the train function starts compiling
-            # the loop at its next call if it is not ready
-            state.loop_wanted = state.tuner.propose() > 1
-            if state.loop_wanted and not state.multi_step.ready(data_iterator):
-                # compiling: one step, not what the tuner asked for (nor a cut-short candidate)
-                k, measured = 1, False
+            k = tuner.propose(limit)
             while taken < k:
                 try:
                     _, last, _ = next(slots)
@@ -271,7 +268,7 @@ def _grouped(run, slots):
         state.traced = False
         start = state.clock()
         yield begin, last, data_iterator
-        if measured:  # Keras asks for the next slot: this execution's callbacks have run
+        if groupable:  # Keras asks for the next slot: this execution's callbacks have run
             at_event = gap is not None and taken == gap
             _observe(state, taken, start, state.execution_end if at_event else state.clock())
 

@@ -53,7 +53,6 @@ def make_model(steps_per_execution=1, features=8, seed=0):
             largest_first=largest,
         )
         state.clock = _FakeClock()
-        state.compile_in_background = False  # deterministic, as the clock
     return model
 
 

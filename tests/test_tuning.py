@@ -1,5 +1,6 @@
 """steps_per_execution="auto": the tuner on a fake clock, its glue into fit, the recommended setup."""
 
+import inspect
 import itertools
 
 import keras
@@ -538,7 +539,6 @@ def _auto_model(tuner, cls=OptimizedModel):
     state = model._fastloop_auto_spe
     state.tuner = tuner
     state.clock = _FakeClock()
-    state.compile_in_background = False  # deterministic, as the clock
     return model, state
 
 
@@ -603,10 +603,19 @@ def test_auto_trains_exactly_like_one_step_per_execution():
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_the_multi_step_function_compiles_in_the_background_without_reading_data():
-    """While the loop compiles (on an empty iterator, in a thread), `fit` trains one step per
-    execution and the tuner is not fed; no batch is skipped or read twice, `train_step` is
-    traced once, and the compile is done when `fit` returns."""
+def _compiled(model):
+    """`{name: traces}` of the variable-count train function's two iterator functions."""
+    functions = inspect.getclosurevars(model.train_function).nonlocals
+    return {
+        name: functions[name].experimental_get_tracing_count()
+        for name in ("multi_step_on_iterator", "one_step_on_iterator")
+    }
+
+
+def test_a_fit_that_groups_compiles_the_loop_alone():
+    """One function compiles per fit: the loop runs every execution, one step included (the
+    probe's, the screening's), so Keras' one-step function is never traced; `train_step` is
+    traced once and the numbers are those of one step per execution."""
 
     class Counting(OptimizedModel):
         traces = 0
@@ -620,20 +629,21 @@ def test_the_multi_step_function_compiles_in_the_background_without_reading_data
     reference.compile(keras.optimizers.SGD(0.05), "sparse_categorical_crossentropy")
     history_1 = reference.fit(_dataset(x, y), epochs=4, verbose=0).history
     model, state = _auto_model(
-        StepsPerExecutionTuner(window=1, min_window_seconds=0, warmup_executions=0), Counting
+        StepsPerExecutionTuner(
+            window=1,
+            min_window_seconds=0,
+            warmup_executions=0,
+            max_seconds_per_step=0.05,
+            largest_first=True,
+        ),
+        Counting,
     )
-    assert tuning._glue._AutoState(None).compile_in_background  # the default
-    state.compile_in_background = True
     history = model.fit(_dataset(x, y), epochs=2, verbose=0).history
-    # the candidate 4 is due from the start: the train function's first call starts the
-    # compile, and executions run one step, not fed to the tuner, until it is done
-    assert state.executions[0] == (0, 1)
-    # fed to the tuner, one-step executions while 4 is due would soon have ended the probe
-    # ("candidate cannot run in full" after 4 of them)
-    assert all(entry[2] != "candidate cannot run in full" for entry in state.tuner.history)
-    assert not state.multi_step._thread.is_alive()  # joined at the end of `fit`
+    sizes = [k for _, k in state.executions]
+    assert sizes[0] == 1 and 48 in sizes  # the screening's step, then 50 - 1 - 1
+    assert _compiled(model) == {"multi_step_on_iterator": 1, "one_step_on_iterator": 0}
     history_2 = model.fit(_dataset(x, y), epochs=2, verbose=0).history
-    assert max(k for _, k in state.executions) > 1  # compiled: grouped from the start
+    assert _compiled(model) == {"multi_step_on_iterator": 1, "one_step_on_iterator": 0}
     assert Counting.traces == 1
     assert iterations(model) == iterations(reference) == 200
     np.testing.assert_allclose(history["loss"] + history_2["loss"], history_1["loss"], rtol=1e-5)
@@ -641,37 +651,23 @@ def test_the_multi_step_function_compiles_in_the_background_without_reading_data
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
-class _CompilingFor:
-    """A stand-in for the background compile: not ready for its first `checks` checks."""
-
-    def __init__(self, checks):
-        self.checks = checks
-
-    def start(self, iterator, background=True):
-        pass
-
-    def ready(self, iterator):
-        self.checks -= 1
-        return self.checks < 0
-
-    def join(self):
-        pass
-
-
-def test_executions_cut_short_while_the_loop_compiles_do_not_end_the_probe():
-    """Found by a review: while the loop compiled, an epoch's last execution (cut to one step
-    by the epoch end) was fed to the tuner as a candidate cut short; 4 * window of them
-    settled the probe at 1 before any larger count ran."""
-    x, y = _data(40)  # 5 batches per epoch
+def test_a_fit_that_cannot_group_compiles_keras_one_step_function_alone():
+    x, y = _data(80)
+    # unknown length: one step per execution, Keras' own function (no loop overhead)
+    model, state = _auto_model(StepsPerExecutionTuner(window=1, min_window_seconds=0))
+    unknown = _dataset(x, y).filter(lambda a, b: True)
+    model.fit(unknown, epochs=1, verbose=0)
+    assert _compiled(model) == {"multi_step_on_iterator": 0, "one_step_on_iterator": 1}
+    # settled at one step (a long step) by an earlier fit: the one-step function again
     model, state = _auto_model(
-        StepsPerExecutionTuner(window=3, min_window_seconds=0, warmup_executions=0)
+        StepsPerExecutionTuner(window=1, min_window_seconds=0, max_seconds_per_step=1e-9)
     )
-    model.fit(_dataset(x, y), epochs=1, verbose=0)  # builds the train function
-    state.tuner = StepsPerExecutionTuner(window=3, min_window_seconds=0, warmup_executions=0)
-    state.multi_step = _CompilingFor(checks=80)  # 16 epochs of 5 one-step executions
-    model.fit(_dataset(x, y), epochs=40, verbose=0)
-    assert ("settle", 1, "candidate cannot run in full") not in state.tuner.history
-    assert max(k for _, k in state.executions) > 1
+    model.fit(_dataset(x, y), epochs=1, verbose=0)  # the loop at one step, then "long step"
+    assert ("settle", 1, "long step") in state.tuner.history
+    assert _compiled(model) == {"multi_step_on_iterator": 1, "one_step_on_iterator": 0}
+    model.fit(_dataset(x, y), epochs=1, verbose=0)
+    assert _compiled(model) == {"multi_step_on_iterator": 1, "one_step_on_iterator": 1}
+    assert {k for _, k in state.executions} == {1}
 
 
 def _fit_twice(model, x, y, eager_first):
@@ -692,7 +688,6 @@ def test_run_eagerly_switched_between_fits_trains_like_one_step(eager_first):
     model, state = _auto_model(
         StepsPerExecutionTuner(window=1, min_window_seconds=0, warmup_executions=0)
     )
-    state.compile_in_background = True
     _fit_twice(model, x, y, eager_first)
     assert iterations(model) == iterations(reference) == (200 if eager_first else 300)
     for a, b in zip(model.get_weights(), reference.get_weights()):

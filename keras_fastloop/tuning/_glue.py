@@ -7,7 +7,6 @@ grouping of batches into executions lives in `keras_fastloop._fit_loop`.
 
 from __future__ import annotations
 
-import threading
 import time
 
 import keras
@@ -32,92 +31,10 @@ class _AutoState:
         self.traced = False  # whether the last train-function call traced a function
         self.execution_clock = None  # the fit loop's callback that sets it
         self.executions = []  # (begin_step, steps) of the current fit, for tests and reports
-        self.multi_step = None  # the `_MultiStepCompile` of the current train function
-        self.loop_wanted = False  # the tuner asks for more than one step: compile the loop
-        self.compile_in_background = True  # False: compile when first needed (tests)
-
-
-class _MultiStepCompile:
-    """Compiles the multi-step train function in the background while `fit` trains on.
-
-    The first call of a `tf.function` traces it (Python) and then instantiates its graph:
-    grappler's optimizations and the executor's setup, in C++, without the GIL. The loop's
-    first call does not trace the step again, yet took 0.46-0.59 s on the bench CNN (AMD EPYC
-    with AVX512_BF16; about 0.28 s of it grappler's, `docs/performance.md`), all of it paid
-    by the first execution of more than one step. Here the loop is traced on the main
-    thread (tracing reads Keras' thread-local state) and then called once in a background
-    thread with an *empty* iterator of the same element spec: the same concrete function is
-    instantiated, no batch is read and no step runs. The train function starts this at its
-    first call when the tuner wants more than one step (from the start: it probes at once),
-    so the loop compiles on the core the one-step function's own first compile leaves idle.
-    Meanwhile the fit loop runs one step per execution. Under a distribution strategy (a
-    `DistributedIterator`) the loop is compiled by its first call, as without the warm-up.
-    """
-
-    def __init__(self, multi_step_function):
-        self._function = multi_step_function
-        self._started = False
-        self._thread = None
-
-    def start(self, iterator, background=True):
-        """Starts the compile, once (tracing happens here, on the calling thread).
-
-        Args:
-            iterator: the data iterator of the train function's call.
-            background: bool, compile in a background thread (else here, before returning).
-                Defaults to `True`.
-        """
-        if self._started or not isinstance(iterator, tf.data.Iterator):
-            return
-        self._started = True
-        self._thread = self._launch(iterator)
-        if not background:
-            self.join()
-
-    def ready(self, iterator):
-        """Whether an execution of more than one step can run without compiling first.
-
-        Args:
-            iterator: the data iterator the execution would read.
-
-        Returns:
-            bool: the compile ran to its end, or there is none to wait for (not a
-            `tf.data.Iterator`).
-        """
-        if not isinstance(iterator, tf.data.Iterator):
-            return True
-        return self._started and (self._thread is None or not self._thread.is_alive())
-
-    def _launch(self, iterator):
-        """Traces the loop here and instantiates it in a new thread, which it returns (`None`:
-        the spec allows no empty data set, the loop compiles at its first real call)."""
-        steps = tf.constant(2, tf.int32)
-        self._function.get_concrete_function(iterator, steps)  # trace on this thread
-        try:
-            empty = tf.data.Dataset.from_generator(
-                lambda: iter(()), output_signature=iterator.element_spec
-            )
-        except (TypeError, ValueError):  # a spec from_generator cannot give: compile in line
-            return None
-        thread = threading.Thread(
-            target=self._instantiate,
-            args=(empty, steps),
-            name="keras_fastloop-multi-step-compile",
-            daemon=True,
-        )
-        thread.start()
-        return thread
-
-    def _instantiate(self, empty, steps):
-        try:
-            self._function(iter(empty), steps)
-        except Exception:  # noqa: BLE001 - the function's first real call raises it again
-            pass
-
-    def join(self):
-        """Waits for a running compile (at the end of `fit`)."""
-        if self._thread is not None:
-            self._thread.join()
+        self.variable_steps = False  # the train function is the variable-count one (glue)
+        # this fit groups steps: every execution, one step included, runs the loop function,
+        # so it is the only function compiled (set by the fit loop for each fit)
+        self.use_loop = False
 
 
 def resolve_steps_per_execution(value, tuner=None):
@@ -126,8 +43,9 @@ def resolve_steps_per_execution(value, tuner=None):
     Args:
         value: `"auto"` or a positive int (validated).
         tuner: optional `StepsPerExecutionTuner` to use for `"auto"`. Defaults to a new
-            one with default arguments and `max_seconds_per_step=AUTO_MAX_SECONDS_PER_STEP`
-            (0.05 s: a longer step never compiles the multi-step loop).
+            one with default arguments, `max_seconds_per_step=AUTO_MAX_SECONDS_PER_STEP`
+            (0.05 s: a longer step stays at one step per execution) and
+            `largest_first=True`.
 
     Returns:
         `(keras_steps_per_execution, state)`: `(1, state)` for `"auto"`, `(value, None)`
@@ -262,15 +180,13 @@ def _variable_steps_function(model, step_function, state):
     def traces():
         return sum(f.experimental_get_tracing_count() for f in traceable)
 
-    state.multi_step = _MultiStepCompile(multi_step_on_iterator)
+    state.variable_steps = True
 
     def function(iterator):
         if isinstance(iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)):
             before = traces()
             try:
-                if state.loop_wanted:
-                    state.multi_step.start(iterator, state.compile_in_background)
-                if state.k == 1:
+                if state.k == 1 and not state.use_loop:
                     return one_step_on_iterator(iterator)
                 optional = multi_step_on_iterator(iterator, tf.constant(state.k, tf.int32))
                 if not optional.has_value():

@@ -146,9 +146,9 @@ class StepsPerExecutionTuner:
             of every probe (after the warm-up ones; also after a retune) runs the best count
             alone; when its time per step exceeds
             this, the tuner settles on that count at once (reason `"long step"`) and never
-            proposes a larger count, so `fit` never compiles its multi-step loop: at 50 ms a
-            step, a per-execution overhead of ~1 ms is under 2 % of it, while compiling the
-            loop costs seconds of the first epoch (issue 30). Defaults to `None`: no
+            proposes a larger count: at 50 ms a step, a per-execution overhead of ~1 ms is
+            under 2 % of it (issue 30), and a later `fit` runs Keras' one-step function
+            (`docs/fit_loop.md`). Defaults to `None`: no
             screening (the probe starts with the first candidate). `compile(
             steps_per_execution="auto")` passes `0.05` (`AUTO_MAX_SECONDS_PER_STEP`).
         largest_first: bool. After a screened step under `max_seconds_per_step`, the first
