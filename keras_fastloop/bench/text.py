@@ -30,7 +30,13 @@ import numpy as np
 import tensorflow as tf
 
 from keras_fastloop.bench import workloads
-from keras_fastloop.data import bucket_by_length, geometric_boundaries, sequences_to_dataset
+from keras_fastloop.data import (
+    apply_bucket_plan,
+    bucket_by_length,
+    geometric_boundaries,
+    plan_buckets,
+    sequences_to_dataset,
+)
 from keras_fastloop.datasets import load_stdlib_code
 
 BATCH_SIZE = 32
@@ -110,15 +116,20 @@ class TextData:
             .prefetch(tf.data.AUTOTUNE)
         )
 
-    def bucketing(self):
-        return bucket_by_length(
-            self._base(), bucket_boundaries=self.boundaries, batch_size=BATCH_SIZE
+    def _planned(self, **batching):
+        """`bucket_by_length` on the shuffled data, planned on the unshuffled data: the plan's
+        scan of the lengths (which gives `fit` the epoch length) would otherwise draw one
+        shuffle order, and every epoch would train the order after the stock rows' one."""
+        plan = plan_buckets(
+            sequences_to_dataset(self.x, self.y), bucket_boundaries=self.boundaries, **batching
         )
+        return apply_bucket_plan(self._base(), plan)
+
+    def bucketing(self):
+        return self._planned(batch_size=BATCH_SIZE)
 
     def token_budget(self):
-        return bucket_by_length(
-            self._base(), bucket_boundaries=self.boundaries, tokens_per_batch=self.tokens_per_batch
-        )
+        return self._planned(tokens_per_batch=self.tokens_per_batch)
 
     def val(self):
         return bucket_by_length(

@@ -685,6 +685,10 @@ def bucket_by_length(
         `fit` knows the epoch length; otherwise it is unknown. The declared length assumes
         every pass yields the same lengths (a random-length map would fail at run time with
         tf.data's cardinality error; pass `max_length` and `bucket_boundaries` to skip it).
+        The scan iterates `dataset` once: a `shuffle(..., reshuffle_each_iteration=True)` in
+        it draws one order for the scan, so training starts at its second order. To keep the
+        order of the same pipeline without bucketing, plan on the unshuffled data and apply
+        the plan to the shuffled one (`plan_buckets`, then `apply_bucket_plan`).
 
     Raises:
         ValueError: on invalid arguments (unsorted, empty or non-positive boundaries; both or
