@@ -101,6 +101,7 @@ def fit(model, keras_fit, args, kwargs):
         auto = None
     if auto is not None:
         auto.executions = []
+        auto.use_loop = None  # decided once, at this fit's first epoch (`_grouped`)
         auto.tuner.begin(warmup=False)  # the executions that trace are left out instead
         auto.execution_clock = _ExecutionClock(auto)
         callbacks.insert(0, auto.execution_clock)
@@ -241,11 +242,13 @@ def _grouped(run, slots):
     # Keras built before, e.g. while `run_eagerly` was on, runs one step whatever `k` says)
     groupable = iterator.data_adapter.num_batches is not None and state.variable_steps
     tuner = state.tuner
-    # One function compiles per fit: the loop (one step included) when this fit may group, else
-    # Keras' one-step function (a cap of 1, or a count settled at 1 by an earlier fit)
-    state.use_loop = (
-        groupable and tuner.cap > 1 and not (tuner.phase == "settled" and tuner.steps == 1)
-    )
+    if state.use_loop is None:
+        # One function compiles per fit: the loop (one step included) when this fit may group,
+        # else Keras' one-step function (a cap of 1, or a count settled at 1 by an earlier fit).
+        # Decided once: a count settling at 1 during this fit does not compile a second one.
+        state.use_loop = (
+            groupable and tuner.cap > 1 and not (tuner.phase == "settled" and tuner.steps == 1)
+        )
     num_batches = iterator.num_batches
     for begin, end, data_iterator in slots:
         taken, last, gap = 1, end, None

@@ -33,7 +33,8 @@ class _AutoState:
         self.executions = []  # (begin_step, steps) of the current fit, for tests and reports
         self.variable_steps = False  # the train function is the variable-count one (glue)
         # this fit groups steps: every execution, one step included, runs the loop function,
-        # so it is the only function compiled (set by the fit loop for each fit)
+        # so it is the only function compiled (decided by the fit loop once per fit; `None`
+        # until then: one-step executions run Keras' one-step function)
         self.use_loop = False
 
 
