@@ -33,12 +33,14 @@ from __future__ import annotations
 
 import inspect
 import numbers
+import warnings
 
 import keras
 
 from keras_fastloop import _resume as resume
 from keras_fastloop._fit_run import FitRun, current_run
 from keras_fastloop._step import distributed, guards, micro_batching, prebuild
+from keras_fastloop._warnings import FastloopWarning
 from keras_fastloop.tuning import _glue, events
 
 __all__ = ["EXTENSIONS", "FitRun", "current_run", "fit"]
@@ -188,6 +190,7 @@ def capture_epoch_iterator(model, iterator):
     run.iterator = iterator
     original = iterator._enumerate_iterator
     if run.auto is not None:
+        _warn_if_calls_are_counted(run.callbacks)
         periods = events.event_periods(run.callbacks, _accumulation(model))
         if iterator.num_batches:
             periods.append(int(iterator.num_batches))
@@ -203,6 +206,21 @@ def capture_epoch_iterator(model, iterator):
         return slots
 
     iterator._enumerate_iterator = transformed
+
+
+def _warn_if_calls_are_counted(callbacks):
+    """Says that `"auto"` keeps one step per execution for a callback that counts calls."""
+    for callback in callbacks:
+        if events.counts_calls(callback):
+            warnings.warn(
+                'steps_per_execution="auto" runs one step per execution in this fit: '
+                f"{type(callback).__name__}(update_freq={callback.update_freq}) numbers its "
+                "batch summaries by calls, so grouped steps would be written at the wrong "
+                'steps. With update_freq="epoch" "auto" groups steps.',
+                FastloopWarning,
+                stacklevel=4,
+            )
+            return
 
 
 def _skip_first_batches(slots, count):

@@ -10,6 +10,7 @@ import os
 
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import keras_fastloop as kf
@@ -110,3 +111,26 @@ def test_task_weights_reach_tensorboard(tmp_path):
             np.testing.assert_allclose(train[key][epoch][1], logs[f"{task}_weight"], 1e-6)
     # uw learns different weights for tasks of different noise: the scalars are not constants.
     assert train["epoch_a_weight"][-1][1] != train["epoch_b_weight"][-1][1]
+
+
+def test_auto_keeps_tensorboard_batch_summaries_at_their_steps(tmp_path):
+    """Found by a review: TensorBoard(update_freq=N) numbers batch summaries by its calls, so
+    under grouped steps they landed at the wrong steps with the wrong values. "auto" runs one
+    step per execution while it is there, and says so."""
+    x = np.random.default_rng(0).normal(size=(64, 4)).astype("float32")
+    y = x.sum(axis=1, keepdims=True)
+
+    def trained(spe, run_dir):
+        keras.utils.set_random_seed(0)
+        model = kf.OptimizedSequential([keras.Input((4,)), keras.layers.Dense(1)])
+        model.compile("sgd", "mse", steps_per_execution=spe)
+        board = keras.callbacks.TensorBoard(str(run_dir), update_freq=2)
+        model.fit(x, y, batch_size=4, epochs=2, verbose=0, shuffle=False, callbacks=[board])
+        return model, _scalars(str(run_dir / "train"))["batch_loss"]
+
+    _, reference = trained(1, tmp_path / "one")
+    with pytest.warns(kf.FastloopWarning, match=r"TensorBoard\(update_freq=2\)"):
+        model, auto = trained("auto", tmp_path / "auto")
+    assert {k for _, k in model._fastloop_auto_spe.executions} == {1}
+    assert [s for s, _ in auto] == [s for s, _ in reference] == list(range(2, 33, 2))
+    np.testing.assert_allclose([v for _, v in auto], [v for _, v in reference], rtol=1e-6)

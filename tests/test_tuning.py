@@ -1106,3 +1106,35 @@ def test_auto_creates_a_tuner_that_probes_the_largest_count_first():
 
     _, state = _glue.resolve_steps_per_execution("auto")
     assert state.tuner.largest_first is True
+
+
+def test_a_tie_at_the_largest_stays_within_max_seconds_per_execution():
+    """Found by a review: a tie settled at the cap (64 steps of 40 ms: 2.56 s an execution)."""
+    tuner = largest_first()
+    tuner.set_horizon(200)
+    tuner.observe(1, 0.040)  # 40 ms a step: short; 25 steps fit in 1 s
+    assert tuner.propose() == 25
+    tuner.observe(25, 25 * 0.040)
+    tuner.observe(1, 0.040)
+    assert tuner.history[-1] == ("settle", 25, "tie at the largest")
+
+
+def test_a_largest_count_cut_short_by_unknown_events_gives_way_to_the_ladder():
+    """Found by a review: events declared by a method are not in the horizon, so 64 was cut
+    to 10 steps every time and, after 4 * window such executions, the probe settled at 1."""
+    tuner = largest_first()  # window=1
+    tuner.observe(1, 0.001)
+    assert tuner.propose() == 64
+    for _ in range(2):  # 2 * window executions cut short by an event every 10 steps
+        k = tuner.propose(limit=10)
+        tuner.observe(k, 0.001 * k)
+    assert tuner.phase == "probing" and (tuner.best_steps, tuner.propose()) == (1, 4)
+    assert not any(entry[0] == "settle" for entry in tuner.history)
+
+
+def test_largest_first_takes_a_time_too_small_to_divide_by():
+    """Found by a review: `math.floor(inf)` raised OverflowError."""
+    for kwargs, seconds in (({"max_seconds_per_execution": 1e308}, 0.001), ({}, 1e-310)):
+        tuner = largest_first(**kwargs)
+        tuner.observe(1, seconds)
+        assert tuner.propose() == 64

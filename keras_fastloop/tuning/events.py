@@ -14,7 +14,9 @@ callback declares its events in one of these ways (all are honoured, the nearest
   (`ProfilerWindow`: before its first step and after its last);
 - a positive int attribute `save_freq` (`keras.callbacks.ModelCheckpoint`,
   `keras.callbacks.BackupAndRestore`): a save after every `save_freq` batches, counted by
-  the callback itself.
+  the callback itself;
+- `keras.callbacks.TensorBoard` with an integer `update_freq`: an event after every batch,
+  since it numbers its batch summaries by its calls, not by batch (`counts_calls`).
 
 With the optimizer's `gradient_accumulation_steps=a` one optimizer step is `a` batches.
 Nested `callbacks` lists (those of `PeriodicValidation`) are not searched: they act at its
@@ -34,6 +36,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "batches_until_next_event",
+    "counts_calls",
     "event_periods",
     "reads_optimizer_step",
     "steps_until_next_event",
@@ -142,7 +145,29 @@ def event_periods(
                 periods.append(int(period) * accumulation)
         if _positive_int(getattr(callback, "save_freq", None)):
             periods.append(int(callback.save_freq))
+        if counts_calls(callback):
+            periods.append(1)
     return periods
+
+
+def counts_calls(callback: keras.callbacks.Callback) -> bool:
+    """Whether `callback` numbers batches by its `on_train_batch_*` calls, not by batch.
+
+    Keras' `TensorBoard` with an integer `update_freq` writes its batch summaries at step
+    "number of `on_train_batch_begin` calls" when that count is a multiple of `update_freq`:
+    under several steps per execution they land at the wrong steps with the wrong values.
+
+    Args:
+        callback: a `keras.callbacks.Callback`.
+
+    Returns:
+        bool.
+    """
+    import keras
+
+    return isinstance(callback, keras.callbacks.TensorBoard) and _positive_int(
+        getattr(callback, "update_freq", None)
+    )
 
 
 def reads_optimizer_step(callbacks: Iterable[keras.callbacks.Callback]) -> bool:

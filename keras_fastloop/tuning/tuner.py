@@ -157,9 +157,11 @@ class StepsPerExecutionTuner:
             within `max_steps` and, at the screened time per step, within
             `max_seconds_per_execution` (never below the ladder's candidate; history entry
             `("largest", steps, screened steps/s)`). Paired with the best, it pays (the cost
-            model, fitted on two counts far apart, chooses), ties (settles at the cap, reason
-            `"tie at the largest"`: the ladder would grow there) or is slower (the ladder
-            from the best). Most of the probe's steps then run at the large count, and one
+            model, fitted on two counts far apart, chooses), ties (settles at the cap within
+            `max_seconds_per_execution`, reason `"tie at the largest"`: the ladder would grow
+            there) or is slower (the ladder from the best); cut short `2 * window` times in a
+            row (events the horizon does not know), it gives way to the ladder too. Most of
+            the probe's steps then run at the large count, and one
             decision replaces the ladder's rungs, each a paired window long. Defaults to
             `False`; `True` requires `max_seconds_per_step`. `compile(
             steps_per_execution="auto")` passes `True`.
@@ -380,7 +382,11 @@ class StepsPerExecutionTuner:
             return
         if steps != due or not (math.isfinite(seconds) and seconds > 0):
             self._off_size += 1
-            if self.phase == "probing" and self._off_size >= 4 * self.window:
+            if self._largest_probe and self._off_size >= 2 * self.window:
+                # cut short again and again by events the horizon does not know (declared by
+                # a method): the ladder's smaller counts fit between them
+                self._probe_from(self.best_steps, screen=False)
+            elif self.phase == "probing" and self._off_size >= 4 * self.window:
                 self._settle(reason="candidate cannot run in full")
             return
         self._off_size = 0
@@ -454,8 +460,12 @@ class StepsPerExecutionTuner:
             self._adopt(rate, standing=1.0)  # a ladder, or a fit that cannot extrapolate
         elif largest:
             if gain >= (1.0 - self.min_gain) * (1.0 - _ROUNDING):  # a tie: the ladder's end
-                self.best_steps = self.cap
-                self.best_rate = rate if self.cap == self.candidate else None
+                # the cap, within max_seconds_per_execution at the candidate's time per step
+                in_time = self._steps_in_time(self.candidate, seconds)
+                self.best_steps = max(
+                    self.candidate, min(self.cap, math.floor(min(in_time, 2**62)))
+                )
+                self.best_rate = rate if self.best_steps == self.candidate else None
                 self._settle(reason="tie at the largest")
             else:  # slower: the ladder from the best count
                 self._probe_from(self.best_steps, screen=False)
@@ -493,7 +503,9 @@ class StepsPerExecutionTuner:
         largest = self.cap
         if self.horizon is not None:  # one step to spare: an epoch's partial last batch
             largest = min(largest, self.horizon - self.best_steps - 1)
-        largest = min(largest, math.floor(self._steps_in_time(steps, seconds)))
+        in_time = self._steps_in_time(steps, seconds)
+        if in_time < largest:  # `inf` for a time too small to divide by: no bound
+            largest = math.floor(in_time)
         if largest > self.candidate:
             self.candidate = largest
             self._largest_probe = True
