@@ -1130,6 +1130,11 @@ def test_a_largest_count_cut_short_by_unknown_events_gives_way_to_the_ladder():
         tuner.observe(k, 0.001 * k)
     assert tuner.phase == "probing" and (tuner.best_steps, tuner.propose()) == (1, 4)
     assert not any(entry[0] == "settle" for entry in tuner.history)
+    # the ladder's own count of cut-short executions starts anew: 3 < 4 * window
+    for _ in range(3):
+        k = tuner.propose(limit=3)
+        tuner.observe(k, 0.001 * k)
+    assert tuner.phase == "probing"
 
 
 def test_largest_first_takes_a_time_too_small_to_divide_by():

@@ -462,9 +462,8 @@ class StepsPerExecutionTuner:
             if gain >= (1.0 - self.min_gain) * (1.0 - _ROUNDING):  # a tie: the ladder's end
                 # the cap, within max_seconds_per_execution at the candidate's time per step
                 in_time = self._steps_in_time(self.candidate, seconds)
-                self.best_steps = max(
-                    self.candidate, min(self.cap, math.floor(min(in_time, 2**62)))
-                )
+                fits = self.cap if in_time >= self.cap else math.floor(in_time)
+                self.best_steps = max(self.candidate, fits)
                 self.best_rate = rate if self.best_steps == self.candidate else None
                 self._settle(reason="tie at the largest")
             else:  # slower: the ladder from the best count
@@ -534,7 +533,7 @@ class StepsPerExecutionTuner:
         self.best_steps, self.best_rate = min(best, self.cap), None
         self.candidate = min(self.best_steps * self.growth_factor, self.cap)
         self._clear_windows()
-        self._drifts = self._misses = 0
+        self._drifts = self._misses = self._off_size = 0
         self._standing = 1.0
         self._cost_fit = None
         if self.candidate <= self.best_steps:
