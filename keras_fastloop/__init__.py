@@ -15,8 +15,10 @@ from keras_fastloop import (
     weighting,
 )
 from keras_fastloop._step.guards import NonFiniteError
+from keras_fastloop._trainer import OptimizedTrainer
 from keras_fastloop._warnings import FastloopWarning
-from keras_fastloop.model import OptimizedModel, OptimizedSequential
+from keras_fastloop.model import OptimizedModel, OptimizedSequential, optimized
+from keras_fastloop.step import TrainingStep
 
 _registry.snapshot()  # every serializable class above, for loading after a registry clear
 
@@ -29,12 +31,15 @@ __all__ = [
     "NonFiniteError",
     "OptimizedModel",
     "OptimizedSequential",
+    "OptimizedTrainer",
+    "TrainingStep",
     "__version__",
     "callbacks",
     "clipping",
     "data",
     "datasets",
     "mixed_precision",
+    "optimized",
     "schedules",
     "tuning",
     "weighting",

@@ -23,9 +23,8 @@ def get_compile_config(model):
         return {}
     config = model._compile_config.serialize()
     task_loss = getattr(model, "_compile_loss", None)
-    needs_tasks = model._loss_weighting_given and not model.__dict__.get(
-        "_fastloop_tasks_known_at_compile", False
-    )
+    step = model.fastloop_step
+    needs_tasks = step.weighting_given and not step.tasks_known_at_compile
     if needs_tasks and isinstance(task_loss, losses.TaskLoss) and task_loss.names:
         # The default static weights are rebuilt from `loss_weights` at the first step.
         config["task_names"] = list(task_loss.names)
@@ -61,6 +60,6 @@ def compile_from_config(model, config, custom_compile):
         config = internals.serialization_lib.deserialize_keras_object(config)
     model.compile(**config)
     if task_names is not None:
-        model._build_weighting((task_names, task_weights))
+        model.fastloop_step.build_weighting((task_names, task_weights))
     if model.built:
         model.optimizer.build(model.trainable_variables)

@@ -10,6 +10,8 @@ further checks. Nothing is changed on the model before every check has passed, s
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import inspect
 from typing import Any
 
 import keras
@@ -23,9 +25,75 @@ from keras_fastloop._step import losses, scaling, user_metrics
 from keras_fastloop._step import micro_batching as micro_batching_module
 from keras_fastloop._step.results import LOG_METRICS
 
-__all__ = ["NONFINITE_POLICIES", "CompileSettings", "validate_compile_arguments"]
+__all__ = [
+    "KERAS_DEFAULTS",
+    "NONFINITE_POLICIES",
+    "CompileSettings",
+    "bind_keras_arguments",
+    "class_compile_beside",
+    "validate_compile_arguments",
+]
 
 NONFINITE_POLICIES = ("skip", "raise", "terminate")
+STEP_OPTIONS = (
+    "gradient_clipping",
+    "loss_weighting",
+    "shared_variables",
+    "micro_batch_size",
+    "nonfinite",
+    "log_metrics",
+)
+_KERAS_SIGNATURE = inspect.signature(keras.Model.compile)
+# `keras.Model.compile`'s arguments and defaults (optimizer="rmsprop", loss=None, ...).
+KERAS_DEFAULTS = {
+    name: parameter.default
+    for name, parameter in _KERAS_SIGNATURE.parameters.items()
+    if name != "self"
+}
+
+
+def bind_keras_arguments(args, kwargs):
+    """The Keras arguments of a `compile` call that the caller gave, by name.
+
+    Raises:
+        TypeError: an argument `compile` does not take (naming the closest one), or too many
+            positional arguments.
+    """
+    unknown = [name for name in kwargs if name not in KERAS_DEFAULTS]
+    if unknown:
+        known = [*KERAS_DEFAULTS, *STEP_OPTIONS]
+        hints = []
+        for name in unknown:
+            close = difflib.get_close_matches(name, known, n=1)
+            hints.append(f"`{name}`" + (f" (did you mean `{close[0]}`?)" if close else ""))
+        raise TypeError(
+            f"compile() got unexpected argument(s) {', '.join(hints)}. It takes Keras' "
+            f"{list(KERAS_DEFAULTS)} and the step's {list(STEP_OPTIONS)}. "
+            f"Received: {', '.join(f'{name}={kwargs[name]!r}' for name in unknown)}"
+        )
+    try:
+        bound = _KERAS_SIGNATURE.bind(None, *args, **kwargs)
+    except TypeError as error:
+        raise TypeError(
+            f"compile() takes at most {len(KERAS_DEFAULTS)} positional arguments "
+            f"({list(KERAS_DEFAULTS)}); the step's options are keyword-only. "
+            f"Received: {len(args)} positional arguments"
+        ) from error
+    given = dict(bound.arguments)
+    given.pop("self")
+    return given
+
+
+def class_compile_beside(cls, trainer):
+    """Whether a class after `trainer` in `cls`' MRO, outside Keras, defines `compile`
+    (a KerasHub task's, which fills its own `"auto"` defaults before Keras' compile)."""
+    mro = cls.__mro__
+    for klass in mro[mro.index(trainer) + 1 :]:
+        if klass.__module__.startswith(("keras.", "keras_fastloop.")):
+            continue
+        if "compile" in vars(klass):
+            return True
+    return False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +155,7 @@ def validate_compile_arguments(
     model,
     *,
     overrides_compute_loss,
+    overrides_train_step=False,
     optimizer,
     loss,
     loss_weights,
@@ -108,6 +177,7 @@ def validate_compile_arguments(
     Args:
         model: the model being compiled (read only: its outputs, strategy, overrides).
         overrides_compute_loss: bool, whether the model's class overrides `compute_loss`.
+        overrides_train_step: bool, whether the model's class has its own `train_step`.
         the others: `OptimizedModel.compile`'s arguments, as given.
 
     Returns:
@@ -148,6 +218,8 @@ def validate_compile_arguments(
                 "needs each task's loss, which only the default `compute_loss` provides. "
                 f"Received: {argument}={value!r}"
             )
+    if overrides_train_step:
+        _check_custom_step(type(model).__name__, weighting, loss_weighting, micro_batch_size)
     if micro_batch_size is not None and user_metrics.overrides_compute_metrics(model):
         raise ValueError(
             "`micro_batch_size` cannot be combined with an overridden `compute_metrics()`: "
@@ -191,6 +263,23 @@ def validate_compile_arguments(
         log_metrics=log_metrics,
         layout=layout,
     )
+
+
+def _check_custom_step(class_name, weighting, loss_weighting, micro_batch_size):
+    """Options a class's own `train_step` cannot reach: refused here, not silently dropped."""
+    if micro_batch_size is not None:
+        raise ValueError(
+            f"`micro_batch_size` needs the library's forward pass, and {class_name} has its own "
+            "`train_step`, which does its own. Call `super().train_step(data)` from it, or "
+            f"split the batch in it. Received: micro_batch_size={micro_batch_size!r}"
+        )
+    if weighting.requires_task_gradients or weighting.has_state_update:
+        raise ValueError(
+            f"Loss weighting '{weighting.name}' needs the library's default `train_step` (per-"
+            f"task gradients or a state update each step); {class_name} has its own. Use a "
+            "method that only combines the losses in `compute_loss` (`uw`, `rlw`, static "
+            f"weights) or call `super().train_step(data)`. Received: loss_weighting={loss_weighting!r}"
+        )
 
 
 def log_metric_names(settings, optimizer):

@@ -70,11 +70,13 @@ def with_internal_callbacks(model, callbacks):
     checkpointing callback saves the state); the non-finite monitor runs last.
     """
     callbacks = list(callbacks)
+    step = model.fastloop_step
+    if step is None:  # not compiled: Keras' fit says so
+        return callbacks
     for add_callbacks in EXTENSIONS.values():
         callbacks = add_callbacks(model, callbacks)
-    monitor = guards.NonFiniteMonitor(getattr(model, "_nonfinite", "skip"))
-    weighting = getattr(model, "_loss_weighting", None)
-    first = weighting.callbacks() if weighting is not None else []
+    monitor = guards.NonFiniteMonitor(step.nonfinite)
+    first = step.weighting.callbacks()
     return [*first, *callbacks, monitor]
 
 

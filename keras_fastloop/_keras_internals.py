@@ -12,7 +12,7 @@ from keras.src.backend.tensorflow.trainer import reduce_per_replica
 from keras.src.losses.loss import scale_loss_for_distribution, unscale_loss_for_distribution
 from keras.src.models.functional import Functional
 from keras.src.models.model import Trainer, functional_init_arguments
-from keras.src.saving import serialization_lib
+from keras.src.saving import object_registration, serialization_lib
 from keras.src.trainers.compile_utils import CompileLoss, get_loss
 
 
@@ -106,6 +106,17 @@ def profiler_op_stats(xplane_paths):
     return labels, rows
 
 
+def save_as(variant, cls):
+    """Keras saves instances of `variant` under `cls`' registered name (and loads `cls`).
+
+    Only the name mapping is set (`object_registration.GLOBAL_CUSTOM_NAMES`); the object
+    registry keeps `cls` under that name.
+    """
+    registered = keras.saving.get_registered_name(cls)
+    if registered != cls.__name__:
+        object_registration.GLOBAL_CUSTOM_NAMES[variant] = registered
+
+
 def onednn_enabled():
     """Whether TensorFlow's oneDNN (formerly MKL) CPU kernels are on in this process.
 
@@ -120,6 +131,7 @@ def onednn_enabled():
 
 
 __all__ = [
+    "save_as",
     "CompileLoss",
     "onednn_enabled",
     "profiler_op_stats",

@@ -15,8 +15,9 @@ losses from `TaskLoss`, combined by the loss weighting) ->
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import keras
@@ -27,7 +28,8 @@ from keras_fastloop import _compile_settings as compile_settings
 from keras_fastloop import _fit_loop as fit_loop
 from keras_fastloop import _keras_internals as internals
 from keras_fastloop import clipping as clipping_module
-from keras_fastloop import mixed_precision, tuning
+from keras_fastloop import step as step_module
+from keras_fastloop import tuning
 from keras_fastloop import weighting as weighting_module
 from keras_fastloop._step import (
     distributed,
@@ -37,34 +39,60 @@ from keras_fastloop._step import (
     losses,
     objective,
     prebuild,
-    scaling,
     update,
     user_metrics,
 )
-from keras_fastloop._step import micro_batching as micro_batching_module
-from keras_fastloop._step.results import StepMetrics
-from keras_fastloop._step.state import StepState
+
+
+def _watched(train_step):
+    """`train_step` that says, once, when it never reaches the step's stages."""
+
+    @functools.wraps(train_step)
+    def watched(self, data):
+        step = self.fastloop_step
+        if step is None:
+            return train_step(self, data)
+        with step.watching(f"{type(self).__name__}.train_step"):
+            return train_step(self, data)
+
+    watched._fastloop_own = True
+    return watched
 
 
 class OptimizedTrainer:
-    """Mixin that gives a `keras.Model` class the step of an expert's hand-written loop.
+    """Mixin that gives any `keras.Model` class the step of an expert's hand-written loop.
 
-    Put it before the Keras class in the bases (`class M(OptimizedTrainer, keras.Model)`).
-    See `OptimizedModel` for the arguments of `compile` and the logs.
+    `class M(OptimizedTrainer, SomeModel)` for any `keras.Model` subclass `SomeModel`, or
+    with `OptimizedModel` in either order (`class M(OptimizedModel, Task)`,
+    `class M(Task, OptimizedModel)`). The class keeps its own `fit`, `compile` defaults and
+    methods (a KerasHub task's preprocessor and `"auto"` compile arguments): `compile` passes
+    on only the Keras arguments the caller gave. `keras_fastloop.optimized(model)` does this
+    for a model that already exists. See `OptimizedModel` for the options of `compile`.
+
+    Raises:
+        TypeError: at class creation, when the mixin comes after `keras.Model` in the
+            method resolution order (`class M(keras.Model, OptimizedTrainer)`: Keras' own
+            step would run).
     """
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        mro = cls.__mro__
+        if keras.Model in mro and mro.index(keras.Model) < mro.index(OptimizedTrainer):
+            raise TypeError(
+                "OptimizedTrainer must come before keras.Model in the bases, else Keras' own "
+                f"compile and step run: `class {cls.__name__}(OptimizedTrainer, ...)`, or use "
+                f"`OptimizedModel` in either order. Received: bases {[b.__name__ for b in cls.__bases__]}"
+            )
+        # A class with its own train_step (a GAN, a VAE, a KerasHub task's): said once, at its
+        # first trace, when compile's options never reach the step's stages.
+        own_step = cls.train_step
+        if own_step is not OptimizedTrainer.train_step and not hasattr(own_step, "_fastloop_own"):
+            cls.train_step = _watched(own_step)
 
     def compile(
         self,
-        optimizer: str | dict[str, Any] | keras.optimizers.Optimizer = "rmsprop",
-        loss: Any = None,
-        loss_weights: float | Sequence[float] | Mapping[str, float] | None = None,
-        metrics: Any = None,
-        weighted_metrics: Any = None,
-        run_eagerly: bool = False,
-        steps_per_execution: int | str = 1,
-        jit_compile: bool | str = "auto",
-        auto_scale_loss: bool = True,
-        *,
+        *args: Any,
         gradient_clipping: (
             clipping_module.GradientClipping | float | str | dict[str, Any] | None
         ) = None,
@@ -73,69 +101,48 @@ class OptimizedTrainer:
         micro_batch_size: int | None = None,
         nonfinite: str = "skip",
         log_metrics: str | Sequence[str] | None = None,
+        **kwargs: Any,
     ) -> None:
-        """Configure the model for training.
+        """Configure the model for training: Keras' arguments plus the step's options.
 
         Args:
-            optimizer, loss, loss_weights, metrics, weighted_metrics, run_eagerly,
-                steps_per_execution, jit_compile, auto_scale_loss: as `keras.Model.compile`
-                (`loss=None` is valid: models trained by `add_loss` or an overridden
-                `compute_loss`, or compiled for inference). Under a `mixed_float16` policy
-                the optimizer becomes a `LossScaleOptimizer`. `steps_per_execution` may also
-                be `"auto"`: tuned while `fit` runs, never past a step event
-                (`keras_fastloop.tuning`).
+            *args, **kwargs: `keras.Model.compile`'s arguments (`optimizer`, `loss`,
+                `loss_weights`, `metrics`, `weighted_metrics`, `run_eagerly`,
+                `steps_per_execution`, `jit_compile`, `auto_scale_loss`), passed on as given:
+                a class with its own `compile` defaults (a KerasHub task's `"auto"`) keeps
+                them. `loss=None` is valid (models trained by `add_loss` or an overridden
+                `compute_loss`). Under a `mixed_float16` policy the optimizer becomes a
+                `LossScaleOptimizer`. `steps_per_execution` may also be `"auto"`: tuned
+                while `fit` runs, never past a step event (`keras_fastloop.tuning`).
             gradient_clipping: `None` (default), a positive float (global-norm threshold), a
                 string id (`"auto_clip"`, `"adaptive_gradient_clipping"`) or a
-                `keras_fastloop.clipping` object (see `keras_fastloop.clipping.get`). Applied
-                once, to the unscaled gradient summed across replicas.
+                `keras_fastloop.clipping` object. Applied once, to the unscaled gradient
+                summed across replicas.
             loss_weighting: `None` (default: fixed `loss_weights` as in Keras, but held in a
                 variable), a method id from `keras_fastloop.weighting.METHODS` or a
                 `LossWeighting` object.
-            shared_variables: optional list of variables that gradient-based weighting methods
-                treat as shared; default: inferred (variables reached by more than one task).
+            shared_variables: variables that gradient-based weighting methods treat as
+                shared; default: inferred (variables reached by more than one task).
             micro_batch_size: `None` (default) or a positive int: split every (per-replica)
                 batch into micro-batches of this many samples, accumulate their gradients and
-                apply one update, identical to the full batch. A batch with fewer samples runs
-                as one micro-batch (exact, but no memory is saved): a `UserWarning` says so
-                once, when the step is traced if the batch size is static, else at the end of
-                the first epoch in which no batch was larger (a smaller last batch never warns).
-            nonfinite: what to do with a non-finite gradient: `"skip"` (default; skip the
-                whole update on every replica and count it in `skipped_steps`), `"raise"`
-                (skip the update, then `fit`/`train_on_batch` raise
-                `keras_fastloop.NonFiniteError` naming the step and the first variable)
-                or `"terminate"` (skip the update and stop training cleanly, like
-                `TerminateOnNaN`). Under loss scaling a non-finite loss skips the step without
-                halving the scale (see `keras_fastloop._step.guards`).
-            log_metrics: `None` (default) or a list from `("grad_norm", "skipped_steps",
-                "loss_scale")`: extra training metrics to log. By default each is logged when
-                the feature that produces it is on (`grad_norm` with `gradient_clipping`;
-                `loss_scale` and `skipped_steps` with loss scaling; `skipped_steps` with
-                `nonfinite` other than `"skip"`), so with every feature off the logs have
-                exactly `keras.Model`'s keys.
+                apply one update, identical to the full batch (a smaller batch runs whole,
+                with a `FastloopWarning`).
+            nonfinite: `"skip"` (default: skip the whole update on every replica, count it
+                in `skipped_steps`, warn at the end of the epoch), `"raise"` (then `fit`
+                raises `keras_fastloop.NonFiniteError`) or `"terminate"` (stop cleanly with
+                the last good weights).
+            log_metrics: `None` (default: those of the features that are on) or a list from
+                `("grad_norm", "skipped_steps", "loss_scale")`.
 
         Raises:
-            ValueError: `steps_per_execution` neither `"auto"` nor a positive int;
-                clipping set both here and on the optimizer, or combined with the optimizer's
-                `gradient_accumulation_steps`; a non-positive `micro_batch_size`; an unknown
-                `nonfinite` policy, weighting id or `log_metrics` name; loss or loss weights
-                that do not match the outputs; `loss_weights` (other than all ones) with a
-                `loss_weighting` that sets its own weights; weighting with a single task; a weighting method
-                or `micro_batch_size` without a compiled `loss` or with an overridden
-                `compute_loss`.
-            TypeError: an argument of the wrong kind.
+            TypeError: an argument `compile` does not take (the message names the closest
+                one), or of the wrong kind.
+            ValueError: a value that cannot act (each message says what must hold and
+                `Received: ...`); see docs/guide.md for the full list. The model is left as
+                it was.
         """
-        settings = compile_settings.validate_compile_arguments(
-            self,
-            overrides_compute_loss=self._overrides_compute_loss(),
-            optimizer=optimizer,
-            loss=loss,
-            loss_weights=loss_weights,
-            metrics=metrics,
-            weighted_metrics=weighted_metrics,
-            run_eagerly=run_eagerly,
-            steps_per_execution=steps_per_execution,
-            jit_compile=jit_compile,
-            auto_scale_loss=auto_scale_loss,
+        keras_given = compile_settings.bind_keras_arguments(args, kwargs)
+        options = dict(
             gradient_clipping=gradient_clipping,
             loss_weighting=loss_weighting,
             shared_variables=shared_variables,
@@ -143,10 +150,47 @@ class OptimizedTrainer:
             nonfinite=nonfinite,
             log_metrics=log_metrics,
         )
-        # Nothing below refuses the arguments: a refused compile left the model as it was.
-        self._compile_keras(settings)
+        if compile_settings.class_compile_beside(type(self), OptimizedTrainer):
+            # A class beside ours with its own compile defaults (a KerasHub task): it compiles
+            # first with what the caller gave; the step is built on what it resolved.
+            settings = self._compile_through_class(keras_given, options)
+        else:
+            settings = self._validate({**compile_settings.KERAS_DEFAULTS, **keras_given}, options)
+            # Nothing below refuses the arguments: a refused compile left the model as it was.
+            self._compile_keras(settings)
         self._compile_step(settings)
         self._compile_config = settings.compile_config(jit_compile=self.jit_compile)
+
+    def _validate(self, arguments, options):
+        return compile_settings.validate_compile_arguments(
+            self,
+            overrides_compute_loss=self._overrides_compute_loss(),
+            overrides_train_step=type(self).train_step is not OptimizedTrainer.train_step,
+            **arguments,
+            **options,
+        )
+
+    def _compile_through_class(self, keras_given, options):
+        """Compile by the class beside ours, then validate what it resolved."""
+        given = dict(keras_given)
+        if given.get("steps_per_execution") == "auto":
+            given["steps_per_execution"] = 1  # tuned by our fit loop
+        super().compile(**given)
+        resolved = {
+            **compile_settings.KERAS_DEFAULTS,
+            **{k: v for k, v in self._compile_config.config.items() if k != "optimizer"},
+            "optimizer": self.optimizer,
+            **{
+                k: keras_given[k]
+                for k in ("steps_per_execution", "auto_scale_loss")
+                if k in keras_given
+            },
+        }
+        settings = self._validate(resolved, options)
+        self._adopt_loss(settings)
+        _, auto_spe = tuning.resolve_steps_per_execution(settings.steps_per_execution)
+        object.__setattr__(self, "_fastloop_auto_spe", auto_spe)
+        return settings
 
     def _compile_keras(self, settings):
         """Keras' compile (without the loss) and the model's `TaskLoss`."""
@@ -165,6 +209,9 @@ class OptimizedTrainer:
             auto_scale_loss=settings.auto_scale_loss,
         )
         object.__setattr__(self, "_fastloop_auto_spe", auto_spe)  # untracked runtime state
+        self._adopt_loss(settings)
+
+    def _adopt_loss(self, settings):
         loss, loss_weights = settings.loss, settings.loss_weights
         if loss is not None:  # as Keras: compile(loss=None) keeps an earlier compiled loss
             self._compile_loss = losses.TaskLoss(
@@ -173,76 +220,40 @@ class OptimizedTrainer:
             self.loss = loss
 
     def _compile_step(self, settings):
-        """The step's components and state, from validated settings."""
-        clipper, weighting = settings.clipper, settings.weighting
-        micro_batch_size, nonfinite = settings.micro_batch_size, settings.nonfinite
-        self._gradient_clipping = clipper
-        self._loss_weighting_given = settings.loss_weighting is not None
-        # `loss` is what keras.Model reports: the tasks weighted by the static `loss_weights`
-        # (for "static" that is the objective itself, weights assigned during fit included).
-        self._loss_is_objective = weighting.name == "static"
-        # untracked: Keras would otherwise adopt the listed variables/layers as the model's own
-        object.__setattr__(self, "_shared_variables", settings.shared_variables)
-        self._micro_batch_size = micro_batch_size
-        object.__setattr__(self, "_fastloop_warned_small_batch", False)
-        if micro_batch_size:  # untracked: the batch-size check of BatchSizeMonitor, never saved
-            object.__setattr__(
-                self, "_fastloop_largest_batch", micro_batching_module.largest_batch_variable()
-            )
-        self._nonfinite = nonfinite
-        object.__setattr__(self, "_fastloop_warned_unconnected", False)
-        # All step state is created here (or, for models whose outputs are unknown until their
-        # first call, in Keras' symbolic build before training), under the caller's scope.
-        state = StepState()
-        object.__setattr__(self, "_fastloop_state", state)  # untracked: not in model.weights
-        if clipper is not None:
-            clipper.build(state)
-        guards.build(state, nonfinite)
-        self._loss_weighting = weighting
-        names = compile_settings.log_metric_names(settings, self.optimizer)
-        object.__setattr__(self, "_step_metrics", StepMetrics(names))
+        """The model's one `TrainingStep`, from validated settings."""
+        step = step_module.build(self, settings)
+        object.__setattr__(self, "_fastloop_step", step)  # untracked: a plain object
+        # The step's variables are saved under this attribute (Keras' saving walks it).
+        object.__setattr__(self, "_fastloop_state", step.state)
         object.__setattr__(self, "_fastloop_evaluating", 0)
-        if settings.loss is not None and self.dtype_policy.name in (
-            "mixed_float16",
-            "mixed_bfloat16",
-        ):
-            # Keras' mixed-precision guide: outputs that feed a loss should be float32.
-            mixed_precision.check_output_dtypes(self, self.dtype_policy.name)
         if settings.layout is not None:
-            self._build_weighting(settings.layout)
-        object.__setattr__(self, "_fastloop_tasks_known_at_compile", settings.layout is not None)
+            step.build_weighting(settings.layout)
 
     def _overrides_compute_loss(self):
         return type(self).compute_loss is not OptimizedTrainer.compute_loss
 
-    def _build_weighting(self, layout=None):
-        """Create the weighting's state once the tasks are known (never inside a trace).
-
-        `layout`: `(task names, static weights)`; default: the compiled loss' own, known
-        after its first call.
-        """
-        weighting = self._loss_weighting
-        if weighting.task_names is not None:
-            return
-        names, static_weights = layout or (
-            self._compile_loss.names,
-            self._compile_loss.static_weights,
-        )
-        weighting.build(self, self._fastloop_state, names, static_weights)
-        if self._loss_weighting_given:
-            self._step_metrics.add_weighting(names, objective=not self._loss_is_objective)
-
     # ----------------------------------------------------------------------------- properties
+
+    @property
+    def fastloop_step(self):
+        """The `keras_fastloop.TrainingStep` built by `compile()` (`None` before it).
+
+        A custom `train_step` calls `self.fastloop_step.minimize(loss, variables, tape)`
+        in place of `tape.gradient` + `optimizer.apply` to get the compiled policies.
+        """
+        return self.__dict__.get("_fastloop_step")
 
     @property
     def gradient_clipping(self):
         """The `GradientClipping` in use (`None`: no clipping)."""
-        return getattr(self, "_gradient_clipping", None)
+        step = self.fastloop_step
+        return None if step is None else step.clipper
 
     @property
     def loss_weighting(self):
         """The `LossWeighting` in use (`None` before compile)."""
-        return getattr(self, "_loss_weighting", None)
+        step = self.fastloop_step
+        return None if step is None else step.weighting
 
     @property
     def skipped_steps(self):
@@ -256,14 +267,14 @@ class OptimizedTrainer:
         reports with `warnings.filterwarnings("ignore", "Loss-scale overflows only")`. Saved
         with the model's step state (`model.save`, `BackupAndRestore`).
         """
-        return self._fastloop_state.skipped_steps
+        return self.fastloop_step.state.skipped_steps
 
     @property
     def metrics(self):
         metrics = super().metrics
-        step_metrics = self.__dict__.get("_step_metrics")
-        if step_metrics is not None and not self.__dict__.get("_fastloop_evaluating"):
-            metrics = metrics + step_metrics.all()
+        step = self.fastloop_step
+        if step is not None and not self.__dict__.get("_fastloop_evaluating"):
+            metrics = metrics + step.metrics.all()
         return metrics
 
     @contextlib.contextmanager
@@ -301,36 +312,37 @@ class OptimizedTrainer:
         Raises:
             ValueError: when there is no loss at all (no compiled loss, no `add_loss`).
         """
+        step = self.fastloop_step
+        if step is None:  # not compiled by this class' compile: Keras' own
+            return super().compute_loss(x, y, y_pred, sample_weight, training)
         del x, training
-        return objective.compute_loss(self, y, y_pred, sample_weight)
+        return objective.compute_loss(self, step, y, y_pred, sample_weight)
 
     # ------------------------------------------------------------------------------ the steps
 
     def train_step(self, data):
         """One optimizer step, each stage one call (docs/design.md, "The training step")."""
+        step, optimizer = self.fastloop_step, self.optimizer
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         prebuild.build_layers(self, x)
         variables = self.trainable_variables
+        if not optimizer.built:  # with every trainable variable, as Keras' step
+            optimizer.build(variables)
         # forward, loss and the loss-scaled gradient: full batch or micro-batched
-        result = gradients.compute(self, x, y, sample_weight, variables)
-        grads, variables = gradients.connected(self, result.grads, variables)
+        result = gradients.compute(self, step, x, y, sample_weight, variables)
+        grads, variables = gradients.connected(step, result.grads, variables)
         if not variables:
             warnings.warn("The model does not have any trainable weights.", stacklevel=2)
-            update.record_metrics(self, result, tf.constant(True), None)
+            update.record_metrics(self, step, result, tf.constant(True))
             return self.get_metrics_result()
-        grads = distributed.all_reduce_sum(grads)
-        scale = scaling.current_scale(self.optimizer)
-        grads = scaling.unscale(grads, scale)
-        unique_rows, grad_norm = clipping_module.deduplicated_norm(grads)
         global_losses = None
-        if update.needs_global_losses(self):
+        if update.needs_global_losses(step, optimizer):
             global_losses = loss_shares.global_losses(result)
-        decision = guards.decide(self, grad_norm, global_losses, grads, variables)
-        if self._gradient_clipping is not None:  # else the optimizer gets Keras' gradient
-            grads = self._gradient_clipping(unique_rows, variables, grad_norm)
-        update.apply(self, grads, variables, decision, scale, global_losses)
-        guards.record_skip(self, decision, unique_rows, variables)
-        update.record_metrics(self, result, decision.applied, grad_norm)
+        # the stages any train_step reaches (TrainingStep.minimize / apply_gradients)
+        decision, grad_norm = step.apply(grads, variables, optimizer, global_losses)
+        update.update_weighting(step, decision, global_losses)
+        update.record_step_metrics(step, optimizer, decision.applied, grad_norm)
+        update.record_metrics(self, step, result, decision.applied)
         if user_metrics.overrides_compute_metrics(self):
             return user_metrics.compute_metrics(
                 self, x, y, result.y_pred, sample_weight, decision.applied
@@ -340,7 +352,9 @@ class OptimizedTrainer:
     def test_step(self, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         y_pred = objective.forward(self, x, training=False)
-        _, logged, record = objective.loss_terms(self, x, y, y_pred, sample_weight, training=False)
+        _, logged, record = objective.loss_terms(
+            self, self.fastloop_step, x, y, y_pred, sample_weight, training=False
+        )
         batch_size = gradients.batch_size(x) if record is None else record.batch_size
         self._loss_tracker.update_state(
             internals.unscale_loss_for_distribution(logged), sample_weight=batch_size

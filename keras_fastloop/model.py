@@ -17,7 +17,7 @@ from keras_fastloop._trainer import OptimizedTrainer
 if TYPE_CHECKING:
     from typing_extensions import Self
 
-__all__ = ["OptimizedModel", "OptimizedSequential"]
+__all__ = ["OptimizedModel", "OptimizedSequential", "optimized"]
 
 _FUNCTIONAL_VARIANTS = {}
 
@@ -77,6 +77,13 @@ class OptimizedModel(OptimizedTrainer, keras.Model):
     """
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Self:
+        if cls is OptimizedModel and args and isinstance(args[0], keras.Model):
+            raise TypeError(
+                "OptimizedModel(model) does not take an existing model: "
+                "`keras_fastloop.optimized(model)` gives it the step in place, keeping its "
+                "class, weights, compile state and methods. "
+                f"Received: {type(args[0]).__name__} instance"
+            )
         # As `keras.Model.__new__`: only the class itself turns `(inputs, outputs)` into a
         # functional model here. A subclass' constructor arguments are its own (a VAE's
         # `(encoder, decoder)`); it becomes functional in `__init__`, when its own `__init__`
@@ -106,11 +113,76 @@ class OptimizedSequential(OptimizedTrainer, keras.Sequential):
 
     Same constructor as `keras.Sequential` (`layers`, `trainable`, `name`) and the same
     `compile` arguments as `OptimizedModel`; saves and loads as itself. To give an
-    existing model the step, wrap it: `OptimizedModel(model.inputs, model.outputs)` for a
-    functional or Sequential model (the layers and weights are shared), or
-    `OptimizedSequential([model])`.
+    existing model the step, call `keras_fastloop.optimized(model)`.
 
     Example:
         >>> model = OptimizedSequential([keras.Input((8,)), keras.layers.Dense(1)])
         >>> model.compile("sgd", "mse", gradient_clipping=1.0)
     """
+
+
+_TRAINER_VARIANTS = {}
+# Methods a model's own class keeps over the trainer's (its step, its loss, its metrics).
+_CLASS_OWN = ("train_step", "test_step", "compute_loss", "compute_metrics")
+
+
+def _trainer_variant(cls):
+    """`cls` with the trainer mixin first, created once per class.
+
+    It has `cls`' name, module and registered name, so instances save as `cls` and load back
+    as `cls`; the methods of `_CLASS_OWN` that `cls` (or a non-Keras base) defines stay
+    `cls`' own.
+    """
+    if cls not in _TRAINER_VARIANTS:
+        namespace = {"__module__": cls.__module__, "__qualname__": cls.__qualname__}
+        for name in _CLASS_OWN:
+            owner = next(klass for klass in cls.__mro__ if name in vars(klass))
+            if not owner.__module__.startswith("keras."):
+                namespace[name] = vars(owner)[name]
+        variant = type(cls.__name__, (OptimizedTrainer, cls), namespace)
+        internals.save_as(variant, cls)
+        _TRAINER_VARIANTS[cls] = variant
+    return _TRAINER_VARIANTS[cls]
+
+
+def optimized(model: keras.Model, **options: Any) -> keras.Model:
+    """Give a model that already exists the library's training step, in place.
+
+    Works for functional, Sequential and subclassed models, KerasHub tasks and models loaded
+    with `keras.saving.load_model` (their optimizer state included). The model keeps its
+    weights, its class' behaviour (a task's preprocessor, `generate`, custom methods; its own
+    `train_step` if it has one) and saves and loads as its class; with every option off it
+    trains exactly as before. A compiled model is compiled again with its own arguments (the
+    same optimizer object, so its state is kept) plus `options`.
+
+    Args:
+        model: a `keras.Model` instance.
+        **options: the step's `compile` options (`gradient_clipping`, `loss_weighting`,
+            `shared_variables`, `micro_batch_size`, `nonfinite`, `log_metrics`); for a model
+            that is not compiled yet, pass them to its `compile()` instead.
+
+    Returns:
+        `model` itself, now an instance of its class with `OptimizedTrainer` mixed in.
+
+    Raises:
+        TypeError: `model` is not a `keras.Model`.
+        ValueError: `options` for a model that is not compiled.
+
+    Example:
+        >>> model = keras.saving.load_model("stock.keras")  # doctest: +SKIP
+        >>> kf.optimized(model, gradient_clipping=1.0).fit(x, y)  # doctest: +SKIP
+    """
+    if not isinstance(model, keras.Model):
+        raise TypeError(f"optimized() takes a keras.Model. Received: {type(model).__name__}")
+    if options and not model.compiled:
+        raise ValueError(
+            "The step's options act through compile(): the model is not compiled, so pass "
+            f"them to `model.compile(...)`. Received: {sorted(options)}"
+        )
+    if not isinstance(model, OptimizedTrainer):
+        model.__class__ = _trainer_variant(type(model))
+    if model.compiled:
+        config = dict(model._compile_config.config)
+        config["optimizer"] = model.optimizer  # the same object: its state is kept
+        model.compile(**config, **options)
+    return model

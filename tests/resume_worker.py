@@ -139,7 +139,7 @@ def main(config):
 
     arrays = {f"model/{v.path}": v.numpy() for v in model.weights}
     arrays.update({f"optimizer/{v.path}": v.numpy() for v in model.optimizer.variables})
-    arrays.update({f"state/{v.path}": v.numpy() for v in model._fastloop_state.weights})
+    arrays.update({f"state/{v.path}": v.numpy() for v in model.fastloop_step.state.weights})
     np.savez(config["out"] + ".npz", **arrays)
     result = {
         "first": recorder.first,

@@ -48,7 +48,7 @@ def test_settings_are_frozen_and_validation_leaves_the_model_as_it_was():
     assert settings.clipper is not None and settings.weighting.name == "static"
     with pytest.raises(dataclasses.FrozenInstanceError):
         settings.nonfinite = "raise"
-    assert not model.compiled and getattr(model, "_fastloop_state", None) is None
+    assert not model.compiled and model.fastloop_step is None
 
 
 @pytest.mark.parametrize(

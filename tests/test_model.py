@@ -228,12 +228,12 @@ def test_save_and_load_restore_training_configuration(tmp_path):
     model.save(path)
     loaded = keras.saving.load_model(path, safe_mode=True)
     assert type(loaded).__name__ == "OptimizedModel" and isinstance(loaded, kf.OptimizedModel)
-    assert isinstance(loaded._gradient_clipping, kf.clipping.AutoClip)
-    assert loaded._gradient_clipping.percentile == 25.0
+    assert isinstance(loaded.gradient_clipping, kf.clipping.AutoClip)
+    assert loaded.gradient_clipping.percentile == 25.0
     np.testing.assert_array_equal(
-        loaded._gradient_clipping.history.numpy(), model._gradient_clipping.history.numpy()
+        loaded.gradient_clipping.history.numpy(), model.gradient_clipping.history.numpy()
     )
-    assert int(loaded._gradient_clipping.count.numpy()) == 6
+    assert int(loaded.gradient_clipping.count.numpy()) == 6
     np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0), atol=1e-6)
     # Training continues identically from the loaded model.
     h1 = model.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)

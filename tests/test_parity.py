@@ -285,8 +285,8 @@ def test_subclassed_model_fits_saves_and_loads(tmp_path, loss_weighting):
     loaded = keras.saving.load_model(path, custom_objects={"TwoHeadNet": TwoHeadNet})
     for a, b in zip(model.get_weights(), loaded.get_weights()):
         np.testing.assert_array_equal(a, b)
-    state = {v.path: v.numpy() for v in model._fastloop_state.weights}
-    for v in loaded._fastloop_state.weights:
+    state = {v.path: v.numpy() for v in model.fastloop_step.state.weights}
+    for v in loaded.fastloop_step.state.weights:
         np.testing.assert_array_equal(v.numpy(), state[v.path])
     # training continues identically after the load
     h1 = model.fit(x, targets, batch_size=8, epochs=1, verbose=0).history
@@ -850,7 +850,7 @@ def test_checkpoint_of_another_loss_structure_loads_the_weights_and_names_what_i
 def test_step_state_is_stored_by_name_and_loads_index_keyed_checkpoints():
     model = _regressor(kf.OptimizedModel)
     model.compile("sgd", "mse")
-    state = model._fastloop_state
+    state = model.fastloop_step.state
     store = {}
     state.save_own_variables(store)
     assert sorted(store) == sorted(v.name for v in state.variables)

@@ -49,7 +49,7 @@ def test_optimized_model_loads_in_safe_mode_without_custom_objects(tmp_path):
 
     loaded = keras.saving.load_model(path, safe_mode=True)
     assert isinstance(loaded, kf.OptimizedModel)
-    assert isinstance(loaded._gradient_clipping, kf.clipping.AutoClip)
+    assert isinstance(loaded.gradient_clipping, kf.clipping.AutoClip)
     assert isinstance(loaded.loss_weighting, kf.weighting.UncertaintyWeighting)
     learning_rate = loaded.optimizer.learning_rate
     assert isinstance(
@@ -58,7 +58,7 @@ def test_optimized_model_loads_in_safe_mode_without_custom_objects(tmp_path):
     )
     for a, b in zip(model.get_weights(), loaded.get_weights()):
         np.testing.assert_array_equal(a, b)
-    for a, b in zip(model._fastloop_state.weights, loaded._fastloop_state.weights):
+    for a, b in zip(model.fastloop_step.state.weights, loaded.fastloop_step.state.weights):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
     np.testing.assert_allclose(
         model.predict(x, verbose=0)["a"], loaded.predict(x, verbose=0)["a"], atol=1e-6

@@ -89,5 +89,5 @@ def test_numpy_scalars_accepted_by_compile():
         gradient_clipping=np.float32(1.0),
         micro_batch_size=np.int64(4),
     )
-    assert model._gradient_clipping.clipnorm == 1.0 and model._micro_batch_size == 4
+    assert model.gradient_clipping.clipnorm == 1.0 and model.fastloop_step.micro_batch_size == 4
     assert kf.clipping.ClipByNorm(np.float64(0.5)).clipnorm == 0.5

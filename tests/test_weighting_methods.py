@@ -22,7 +22,6 @@ def _built(method, tasks=("a", "b"), static=None):
     """A method built against a throw-away model and state (no training)."""
     inputs = keras.Input((2,))
     model = keras.Model(inputs, keras.layers.Dense(1)(inputs))
-    model._shared_variables = None
     static = static or [1.0] * len(tasks)
     method.build(model, StepState(), list(tasks), static)
     return method, model

@@ -17,32 +17,33 @@ from keras_fastloop._step.results import StepResult
 from keras_fastloop._warnings import FastloopWarning
 
 
-def compute(model, x, y, sample_weight, variables):
+def compute(model, step, x, y, sample_weight, variables):
     """`StepResult` of the batch: micro-batched under `compile(micro_batch_size=k)`.
 
     Args:
         model: the compiled model.
+        step: its `TrainingStep`.
         x, y, sample_weight: the (per-replica) batch, as unpacked by Keras.
         variables: the variables to differentiate (`model.trainable_variables`).
     """
-    if model._micro_batch_size:
+    if step.micro_batch_size:
         return micro_batching.accumulate(
-            model, x, y, sample_weight, variables, model._micro_batch_size
+            model, step, x, y, sample_weight, variables, step.micro_batch_size
         )
-    return full_batch(model, x, y, sample_weight, variables)
+    return full_batch(model, step, x, y, sample_weight, variables)
 
 
-def full_batch(model, x, y, sample_weight, variables):
+def full_batch(model, step, x, y, sample_weight, variables):
     """`StepResult` of one gradient of the whole (per-replica) batch.
 
     The gradient is that of `optimizer.scale_loss(loss)`; with a gradient-based loss
     weighting it is the weighting's combination of the per-task gradients.
     """
-    weighting = model._loss_weighting
+    weighting = step.weighting
     with tf.GradientTape(persistent=weighting.requires_task_gradients) as tape:
         y_pred = objective.forward(model, x, training=True)
         total, logged, record = objective.loss_terms(
-            model, x, y, y_pred, sample_weight, training=True
+            model, step, x, y, y_pred, sample_weight, training=True
         )
         scaled = model.optimizer.scale_loss(total)
     if record is None:
@@ -79,14 +80,15 @@ def full_batch(model, x, y, sample_weight, variables):
     )
 
 
-def connected(model, grads, variables):
+def connected(step, grads, variables):
     """`(grads, variables)` of the variables that get a gradient.
 
-    Keras leaves the others untouched; a `FastloopWarning` names them, once per model.
+    Keras leaves the others untouched; a `FastloopWarning` names them, once per
+    `TrainingStep` (`step.warned_unconnected`).
     """
     missing = [v.path for g, v in zip(grads, variables) if g is None]
-    if missing and not model.__dict__.get("_fastloop_warned_unconnected"):
-        object.__setattr__(model, "_fastloop_warned_unconnected", True)
+    if missing and not step.warned_unconnected:
+        step.warned_unconnected = True
         warnings.warn(
             f"{len(missing)} trainable variable(s) get no gradient from the loss and are "
             f"left out of the update (as in keras.Model): {missing}",

@@ -106,25 +106,30 @@ class Decision:
     allowed: object = None
 
 
-def decide(model, grad_norm, global_losses, grads, variables):
-    """The finite check and the model's non-finite policy: a `Decision`, before the update.
+def decide(step, optimizer, grad_norm, global_losses, grads, variables):
+    """The finite check and the step's non-finite policy: a `Decision`, before the update.
 
     Args:
-        model: the compiled model (its `compile(nonfinite=...)` policy, its step state, its
-            optimizer's `iterations` for the message).
+        step: the model's `TrainingStep` (its `nonfinite` policy and step state).
+        optimizer: the optimizer the update goes to (its `iterations`, for the message).
         grad_norm: float32 scalar, the global norm of the (cross-replica, unscaled) gradient.
             inf/NaN anywhere makes it non-finite; so does a norm beyond float32's range
             (~1.8e19), which is treated as a divergence too: one check instead of one per
             variable.
         global_losses: `[loss, *task losses]` of the global batch (`None` when not
-            computed). Under loss scaling the policy acts on them, never on a scale overflow.
+            computed). Under loss scaling the policy acts on them, never on a scale overflow;
+            without them every non-finite gradient counts as an overflow.
         grads, variables: the unscaled gradients and their variables (to name the culprit).
     """
-    policy, state, iterations = model._nonfinite, model._fastloop_state, model.optimizer.iterations
+    policy, state, iterations = step.nonfinite, step.state, optimizer.iterations
     finite = ops.isfinite(grad_norm)
     loss_finite = None
-    if scaling.is_loss_scale_optimizer(model.optimizer):
-        loss_finite = ops.all(ops.isfinite(ops.stack(global_losses)))
+    if scaling.is_loss_scale_optimizer(optimizer):
+        loss_finite = (
+            tf.constant(True)
+            if global_losses is None
+            else ops.all(ops.isfinite(ops.stack(global_losses)))
+        )
     halted = _halted_before(policy, state)
     allowed = _check(policy, state, finite, loss_finite, grads, variables, iterations)
     applied = finite if allowed is None else ops.logical_and(finite, allowed)
@@ -168,19 +173,20 @@ def _check(policy, state, finite, loss_finite, grads, variables, iterations):
     return None
 
 
-def record_skip(model, decision, grads, variables):
+def record_skip(step, optimizer, decision, grads, variables):
     """Count a skipped step in `skipped_steps` and for the skip report (after the update).
 
     Args:
-        model: the compiled model. Under its policy `"raise"`/`"terminate"` a step skipped for
+        step: the model's `TrainingStep`. Under its policy `"raise"`/`"terminate"` a step skipped for
             a non-finite value halts training and is said by the error or the stop message, so
             only loss-scale overflows are counted for the report.
+        optimizer: the optimizer the update went to (its `iterations`).
         decision: this step's `Decision` (under loss scaling a skipped step with a finite
             loss is a loss-scale overflow, expected).
         grads, variables: the unscaled gradients and their variables (to name the first one
             that is not finite; computed only for the first skipped step of a report).
     """
-    policy, state, iterations = model._nonfinite, model._fastloop_state, model.optimizer.iterations
+    policy, state, iterations = step.nonfinite, step.state, optimizer.iterations
     skipped, loss_finite = decision.skipped, decision.loss_finite
     state.skipped_steps.assign_add(ops.cast(skipped, "int64"))
     overflow = tf.constant(False) if loss_finite is None else ops.logical_and(skipped, loss_finite)
@@ -314,10 +320,11 @@ def raise_if_recorded(model):
         NonFiniteError: naming the optimizer step and the first variable with a non-finite
             gradient (or saying the loss was non-finite while every gradient was finite).
     """
-    state = model._fastloop_state
-    if getattr(model, "_nonfinite", None) != "raise" or not bool(state.halted.numpy()):
+    step = model.__dict__.get("_fastloop_step")
+    if step is None or step.nonfinite != "raise" or not bool(step.state.halted.numpy()):
         return
-    step = int(state.nonfinite_step.numpy())
+    state = step.state
+    fault_step = int(state.nonfinite_step.numpy())
     index = int(state.nonfinite_variable.numpy())
     paths = state.__dict__.get("nonfinite_paths") or []
     state.halted.assign(False)
@@ -328,9 +335,9 @@ def raise_if_recorded(model):
     else:
         culprit = "the loss is not finite (every gradient is finite)"
     raise NonFiniteError(
-        f"Non-finite loss or gradient at optimizer step {step} (compile(nonfinite='raise')): "
+        f"Non-finite loss or gradient at optimizer step {fault_step} (compile(nonfinite='raise')): "
         f"{culprit}. The update of that step was not applied: the weights and optimizer state "
-        f"are those of the last good step ({step} updates applied). Check the inputs, labels "
+        f"are those of the last good step ({fault_step} updates applied). Check the inputs, labels "
         "and sample weights of that batch, the learning rate and the loss; "
         "compile(nonfinite='skip') skips such batches."
     )

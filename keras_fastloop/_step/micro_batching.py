@@ -59,16 +59,16 @@ def validate_micro_batch_size(micro_batch_size):
     return int(micro_batch_size)
 
 
-def _warn_small_batch(model, samples):
-    """Warn once per model that a batch held fewer samples than `micro_batch_size`."""
-    if model.__dict__.get("_fastloop_warned_small_batch"):
+def _warn_small_batch(step, samples):
+    """Warn once per `TrainingStep` that a batch held fewer samples than `micro_batch_size`."""
+    if step.warned_small_batch:
         return
-    object.__setattr__(model, "_fastloop_warned_small_batch", True)
+    step.warned_small_batch = True
     warnings.warn(
         f"The (per-replica) batch has fewer samples ({samples}) than `micro_batch_size` "
-        f"({model._micro_batch_size}): each batch runs as one micro-batch, so no memory is "
+        f"({step.micro_batch_size}): each batch runs as one micro-batch, so no memory is "
         "saved (training stays exact). Use a larger batch or a smaller `micro_batch_size`. "
-        f"Received: micro_batch_size={model._micro_batch_size}",
+        f"Received: micro_batch_size={step.micro_batch_size}",
         FastloopWarning,
         stacklevel=2,
     )
@@ -95,30 +95,30 @@ class BatchSizeMonitor(keras.callbacks.Callback):
     routine, never warns, and batch callbacks stay asynchronous)."""
 
     def on_epoch_end(self, epoch, logs=None):
-        model = self.model
-        variable = model.__dict__.get("_fastloop_largest_batch")
-        if variable is None or model.__dict__.get("_fastloop_warned_small_batch"):
+        step = self.model.fastloop_step
+        if step.largest_batch is None or step.warned_small_batch:
             return
-        largest = int(variable.numpy())
-        if 0 < largest < model._micro_batch_size:
-            _warn_small_batch(model, largest)
+        largest = int(step.largest_batch.numpy())
+        if 0 < largest < step.micro_batch_size:
+            _warn_small_batch(step, largest)
 
 
 def with_batch_size_monitor(model, callbacks):
     """`fit` extension: adds `BatchSizeMonitor` when `micro_batch_size` is set."""
-    if not getattr(model, "_micro_batch_size", None):
+    step = model.__dict__.get("_fastloop_step")
+    if step is None or not step.micro_batch_size:
         return callbacks
     return [*callbacks, BatchSizeMonitor()]
 
 
-def _track_batch_size(model, n, k):
+def _track_batch_size(step, n, k):
     """Trace-time warning when the batch size is static, else record it for the monitor."""
     static = tf.get_static_value(n)
     if static is not None:
         if int(static) < k:
-            _warn_small_batch(model, int(static))
+            _warn_small_batch(step, int(static))
         return
-    variable = model.__dict__.get("_fastloop_largest_batch")
+    variable = step.largest_batch
     if variable is not None:
         variable.assign(ops.maximum(variable, ops.cast(n, "float32")))
 
@@ -298,7 +298,7 @@ def _share(term, probe, total, size):
     return ops.divide_no_nan(loss_shares.denominator(term, size, probe), total)
 
 
-def accumulate(model, x, y, sample_weight, variables, micro_batch_size):
+def accumulate(model, step, x, y, sample_weight, variables, micro_batch_size):
     """Loss-scaled gradient of the full batch's objective, one micro-batch at a time.
 
     Called by the trainer's `train_step` (per replica under `tf.distribute`) when
@@ -307,6 +307,7 @@ def accumulate(model, x, y, sample_weight, variables, micro_batch_size):
     Args:
         model: the compiled model (`OptimizedModel` or
             `OptimizedSequential`).
+        step: its `TrainingStep`.
         x: inputs, a tensor or a nest of tensors with the batch (`n` samples, may be unknown
             while tracing) on axis 0.
         y: targets, same batch layout (a tensor, list or dict per output).
@@ -336,17 +337,17 @@ def accumulate(model, x, y, sample_weight, variables, micro_batch_size):
     """
     k = int(micro_batch_size)
     task_loss = model._compile_loss
-    weighting = model._loss_weighting
+    weighting = step.weighting
     if task_loss.names is None or weighting.task_names is None:
         # First trace of a model whose outputs were unknown at compile: build the loss and the
         # weighting (the unused full-batch forward pass is pruned from the graph).
         task_loss.evaluate(y, forward(model, x, training=False), sample_weight)
-        model._build_weighting()
+        step.build_weighting()
     masked, reductions = _detect_masks(model, x, y, sample_weight)
     num_tasks = len(masked)
     first = _first_tensor(x)
     n = tf.shape(first, out_type=tf.int32)[0]
-    _track_batch_size(model, first.shape[0] if first.shape[0] is not None else n, k)
+    _track_batch_size(step, first.shape[0] if first.shape[0] is not None else n, k)
     weight_totals = [
         None if sw is None else ops.sum(ops.cast(sw, "float32"))
         for sw in _task_sample_weights(model, sample_weight)
@@ -421,7 +422,7 @@ def accumulate(model, x, y, sample_weight, variables, micro_batch_size):
             acc = acc + ops.cast(g, acc.dtype)
         grads.append(acc if connected[i] else None)
     reported = combined
-    if not model._loss_is_objective:  # `loss` stays what keras.Model would report
+    if not step.loss_is_objective:  # `loss` stays what keras.Model would report
         static = ops.convert_to_tensor(task_loss.static_weights, "float32")
         reported = ops.sum(loss_acc * static)
     return StepResult(

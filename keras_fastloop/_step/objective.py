@@ -1,14 +1,12 @@
 """The default `compute_loss`: the compiled tasks' losses combined by the loss weighting.
 
 `OptimizedTrainer.compute_loss` (Keras' hook, which users may override) calls `compute_loss`
-here. Besides the scalar to differentiate, it leaves a `LossRecord` on the model for the step
-that called it: the unweighted task losses, the weights, the logged loss and the global
+here. Besides the scalar to differentiate, it leaves a `LossRecord` on the `TrainingStep` for the
+step that called it: the unweighted task losses, the weights, the logged loss and the global
 batch's losses, which `loss_terms` hands to the step.
 """
 
 from __future__ import annotations
-
-import contextlib
 
 import tensorflow as tf
 from keras import ops
@@ -39,11 +37,12 @@ class LossRecord:
         self.global_losses = None
 
 
-def compute_loss(model, y, y_pred, sample_weight):
+def compute_loss(model, step, y, y_pred, sample_weight):
     """The scalar the step differentiates (see `OptimizedTrainer.compute_loss`).
 
     Args:
         model: the compiled model.
+        step: its `TrainingStep`.
         y, y_pred, sample_weight: as Keras' `compute_loss`.
 
     Returns:
@@ -62,17 +61,17 @@ def compute_loss(model, y, y_pred, sample_weight):
     if task_loss is not None:
         regularization_sum = ops.sum(ops.stack(regularization)) if regularization else None
         record = _task_record(
-            model, task_loss.evaluate(y, y_pred, sample_weight), regularization_sum
+            model, step, task_loss.evaluate(y, y_pred, sample_weight), regularization_sum
         )
         terms.append(record.objective)
     terms += regularization
     if not terms:
         raise ValueError("No loss to compute. Provide a `loss` argument in `compile()`.")
-    if record is not None and not model.__dict__.get("_fastloop_own_step"):
+    if record is not None and not step.own_step:
         # Called from a user's own train_step/test_step: update the `{name}_loss` trackers
         # here, as Keras' CompileLoss does (our steps record after the guards).
         task_loss.record(record.values)
-    object.__setattr__(model, "_loss_record", record)
+    step.loss_record = record
     if len(terms) == 1:
         return terms[0]
     if terms[0].shape.rank:  # per-sample losses plus the (scalar) regularization
@@ -80,13 +79,13 @@ def compute_loss(model, y, y_pred, sample_weight):
     return ops.sum(ops.stack(terms))
 
 
-def _task_record(model, task_terms, regularization_sum):
+def _task_record(model, step, task_terms, regularization_sum):
     """The `LossRecord` of the compiled tasks' `TaskTerm`s."""
     # Under tf.distribute: the replicas' shares of the global losses (one all-reduce, which
     # also gives the global batch size and the global losses).
     values, sync = loss_shares.replica_losses(task_terms, regularization_sum)
-    model._build_weighting()
-    weighting = model._loss_weighting
+    step.build_weighting()
+    weighting = step.weighting
     if any(value.shape.rank for value in values):
         # reduction=None (one replica, static weights: compile checks it). As in Keras the
         # tape sums the per-sample losses and the trackers average them.
@@ -94,7 +93,7 @@ def _task_record(model, task_terms, regularization_sum):
     else:
         objective, weights = weighting.combine(values)
     reported, per_task = objective, weights
-    if not model._loss_is_objective:
+    if not step.loss_is_objective:
         per_task = ops.convert_to_tensor(model._compile_loss.static_weights, "float32")
         reported = ops.sum(ops.stack(values) * per_task)
     record = LossRecord(values, objective, weights, reported, sync.batch_size)
@@ -115,34 +114,22 @@ def _per_sample_objective(values, weighting):
     return objective, weights
 
 
-def loss_terms(model, x, y, y_pred, sample_weight, training):
+def loss_terms(model, step, x, y, y_pred, sample_weight, training):
     """`(total, logged loss, record)` through the model's `compute_loss` (overrides included).
 
-    `record` is the `LossRecord` of the default `compute_loss`, `None` when an override did
-    not call it (the logged loss is then the total).
+    `record` is the `LossRecord` of the default `compute_loss` (left on `step` by it: the
+    hook's return value is Keras' scalar), `None` when an override did not call it (the logged
+    loss is then the total).
     """
-    object.__setattr__(model, "_loss_record", None)
-    with own_step(model):
+    step.loss_record = None
+    with step.own():
         total = model._compute_loss(
             x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training
         )
-    record = model.__dict__.get("_loss_record")
-    object.__setattr__(model, "_loss_record", None)
+    record, step.loss_record = step.loss_record, None
     if record is None:
         return total, total, None
     return total, total + (record.reported - record.objective), record
-
-
-@contextlib.contextmanager
-def own_step(model):
-    """Marks `compute_loss` calls made by the library's steps, which record the task losses
-    themselves (after the non-finite guards, or per micro-batch)."""
-    before = model.__dict__.get("_fastloop_own_step", False)
-    object.__setattr__(model, "_fastloop_own_step", True)
-    try:
-        yield
-    finally:
-        object.__setattr__(model, "_fastloop_own_step", before)
 
 
 def forward(model, x, training):

@@ -522,7 +522,8 @@ class GradientWeighting(LossWeighting):
 
     def build(self, model, state, task_names, static_weights):
         super().build(model, state, task_names, static_weights)
-        self._given_shared = _resolve_shared(model, getattr(model, "_shared_variables", None))
+        step = getattr(model, "fastloop_step", None)
+        self._given_shared = _resolve_shared(model, getattr(step, "shared_variables", None))
         self.shared_variable_paths = None  # set when the step is traced
 
     def head_weights(self):

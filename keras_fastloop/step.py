@@ -1,0 +1,283 @@
+"""`TrainingStep`: the stages of an expert's training step, for any training step.
+
+`compile()` builds one `TrainingStep` per model from its validated settings
+(`model.fastloop_step`). It holds the step's configuration (clipping, loss weighting,
+micro-batching, the non-finite policy) and state (`StepState`, the step metrics), and it is
+passed explicitly to the traced stages of `keras_fastloop._step`. The library's default
+`train_step` and a user's own `train_step` reach the same stages through the same method,
+`apply_gradients`: one implementation (docs/design.md, "The step object").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+import weakref
+
+import keras
+import tensorflow as tf
+from keras import ops
+
+from keras_fastloop import _compile_settings as compile_settings
+from keras_fastloop import clipping as clipping_module
+from keras_fastloop import mixed_precision
+from keras_fastloop._step import distributed, gradients, guards, scaling, update
+from keras_fastloop._step import micro_batching as micro_batching_module
+from keras_fastloop._step.results import StepMetrics
+from keras_fastloop._step.state import StepState
+from keras_fastloop._warnings import FastloopWarning
+
+__all__ = ["TrainingStep"]
+
+
+class TrainingStep:
+    """Loss scaling, one cross-replica sum, the finite check, clipping and step metrics.
+
+    Built by `compile()` from its arguments; never constructed by hand. A model's own
+    `train_step` (a GAN, a VAE, a distiller) reaches the compiled policies with one call in
+    place of `tape.gradient` + `optimizer.apply`:
+
+        self.fastloop_step.minimize(loss, variables, tape)                    # model.optimizer
+        self.fastloop_step.minimize(d_loss, d_vars, tape, self.d_optimizer)  # any other one
+
+    Each call, in order: the gradient of the loss scaled by the optimizer's
+    `LossScaleOptimizer` (if any), summed across replicas once, unscaled, checked for
+    non-finite values (`compile(nonfinite=...)`), clipped (`compile(gradient_clipping=...)`),
+    applied (or skipped as a whole), then `grad_norm`, `skipped_steps` and `loss_scale`
+    recorded when logged. A `train_step` that calls neither `minimize` nor `apply_gradients`
+    while `compile` was given `gradient_clipping`, `nonfinite` or `log_metrics` gets a
+    `FastloopWarning` at its first trace.
+
+    Attributes:
+        clipper: the `GradientClipping` in use, or `None`.
+        weighting: the `LossWeighting` in use (`Static` by default).
+        micro_batch_size: `None` or a positive int.
+        nonfinite: `"skip"`, `"raise"` or `"terminate"`.
+        state: the `StepState` layer holding the step's variables (saved with the model).
+        metrics: the optional step metrics (`StepMetrics`).
+    """
+
+    def __init__(
+        self,
+        model: keras.Model,
+        settings: compile_settings.CompileSettings,
+        state: StepState,
+    ) -> None:
+        self._model = weakref.ref(model)
+        self.clipper = settings.clipper
+        self.weighting = settings.weighting
+        self.weighting_given = settings.loss_weighting is not None
+        # `loss` is what keras.Model reports: the tasks weighted by the static `loss_weights`
+        # (for "static" that is the objective itself, weights assigned during fit included).
+        self.loss_is_objective = settings.weighting.name == "static"
+        self.shared_variables = settings.shared_variables
+        self.micro_batch_size = settings.micro_batch_size
+        self.nonfinite = settings.nonfinite
+        self.state = state
+        self.metrics = StepMetrics(compile_settings.log_metric_names(settings, model.optimizer))
+        self.tasks_known_at_compile = settings.layout is not None
+        # The options that act only through the stages, as given (for the custom-step warning).
+        self.stage_options = {
+            name: value
+            for name, value in (
+                ("gradient_clipping", settings.clipper),
+                ("nonfinite", None if settings.nonfinite == "skip" else settings.nonfinite),
+                ("log_metrics", settings.log_metrics),
+            )
+            if value is not None
+        }
+        # Runtime flags and the loss record (never saved).
+        self.largest_batch = (
+            micro_batching_module.largest_batch_variable() if settings.micro_batch_size else None
+        )
+        self.warned_small_batch = False
+        self.warned_unconnected = False
+        self.warned_unreached = False
+        self.warned_unscaled = set()
+        self.own_step = False  # compute_loss called by the library's own steps
+        self.loss_record = None  # what the default compute_loss computed, for its caller
+        self._reached = 0
+
+    @property
+    def model(self):
+        return self._model()
+
+    # ------------------------------------------------------------------ for any train_step
+
+    def minimize(self, loss, variables, tape, optimizer=None):
+        """Gradient of `loss`, then `apply_gradients`: the call a custom `train_step` makes.
+
+        Replaces `grads = tape.gradient(loss, variables)` and
+        `optimizer.apply(grads, variables)` of the Keras guide's step. Under a
+        `LossScaleOptimizer` the backward pass is seeded with its scale (the gradient of
+        `scale * loss`, without changing the loss the step logs).
+
+        Args:
+            loss: the loss to minimize (float tensor: a scalar, or per-sample values that are
+                summed as `tape.gradient` sums them), computed under `tape`.
+            variables: the variables to update (a list of `keras.Variable`).
+            tape: the `tf.GradientTape` that recorded `loss` (closed or still open).
+            optimizer: the optimizer to apply with; default `model.optimizer`. A model with
+                several optimizers (a GAN's `d_optimizer` and `g_optimizer`) passes each.
+
+        Returns:
+            Scalar bool tensor: whether the update was applied (`False`: skipped for a
+            non-finite loss or gradient, or a loss-scale overflow).
+        """
+        optimizer = self._optimizer(optimizer)
+        self._check_scaling(optimizer)
+        scale = scaling.current_scale(optimizer)
+        seed = None
+        if scale is not None:
+            seed = ops.ones_like(loss) * ops.cast(scale, loss.dtype)
+        grads = tape.gradient(
+            loss,
+            list(variables),
+            output_gradients=seed,
+            unconnected_gradients=tf.UnconnectedGradients.NONE,
+        )
+        global_losses = None
+        if scaling.is_loss_scale_optimizer(optimizer):
+            global_losses = distributed.all_reduce_sum([ops.sum(ops.cast(loss, "float32"))])
+        return self._apply_connected(grads, variables, optimizer, global_losses)
+
+    def apply_gradients(self, grads, variables, optimizer=None, loss=None):
+        """The stages after the gradient: sum, unscale, check, clip, apply, record.
+
+        Args:
+            grads: the gradients of `optimizer.scale_loss(loss)` (Keras' own `train_step`
+                pattern; without a `LossScaleOptimizer` that is the gradient of the loss), one
+                per variable (`None`: left out of the update, as in Keras).
+            variables: the variables to update.
+            optimizer: default `model.optimizer`.
+            loss: optional, the (per-replica) loss; under a `LossScaleOptimizer` a non-finite
+                loss is then told apart from a scale overflow (default: every skipped step
+                counts as an overflow, which halves the scale).
+
+        Returns:
+            Scalar bool tensor: whether the update was applied.
+        """
+        optimizer = self._optimizer(optimizer)
+        global_losses = None
+        if scaling.is_loss_scale_optimizer(optimizer) and loss is not None:
+            global_losses = distributed.all_reduce_sum([ops.sum(ops.cast(loss, "float32"))])
+        return self._apply_connected(list(grads), variables, optimizer, global_losses)
+
+    # --------------------------------------------------------------------- the one path
+
+    def _apply_connected(self, grads, variables, optimizer, global_losses):
+        grads, variables = gradients.connected(self, grads, list(variables))
+        if not variables:
+            return tf.constant(False)
+        decision, grad_norm = self.apply(grads, variables, optimizer, global_losses)
+        update.record_step_metrics(self, optimizer, decision.applied, grad_norm)
+        return decision.applied
+
+    def apply(self, grads, variables, optimizer, global_losses):
+        """The stages every step shares: `(Decision, grad_norm)` (internal; traced).
+
+        `grads` are the loss-scaled gradients of the connected `variables`; `global_losses`
+        `[loss, *task losses]` of the global batch or `None`.
+        """
+        self._reached += 1
+        grads = distributed.all_reduce_sum(grads)
+        scale = scaling.current_scale(optimizer)
+        grads = scaling.unscale(grads, scale)
+        unique_rows, grad_norm = clipping_module.deduplicated_norm(grads)
+        decision = guards.decide(self, optimizer, grad_norm, global_losses, grads, variables)
+        if self.clipper is not None:  # else the optimizer gets Keras' gradient
+            grads = self.clipper(unique_rows, variables, grad_norm)
+        update.apply(optimizer, grads, variables, decision, scale)
+        guards.record_skip(self, optimizer, decision, unique_rows, variables)
+        return decision, grad_norm
+
+    def _optimizer(self, optimizer):
+        return self.model.optimizer if optimizer is None else optimizer
+
+    def _check_scaling(self, optimizer):
+        """Under `mixed_float16`, an optimizer without loss scaling is said once."""
+        model = self.model
+        if model.dtype_policy.name != "mixed_float16" or scaling.current_scale(optimizer):
+            return
+        if id(optimizer) in self.warned_unscaled:
+            return
+        self.warned_unscaled.add(id(optimizer))
+        warnings.warn(
+            f"The optimizer '{optimizer.name}' has no loss scaling under the mixed_float16 "
+            "policy: float16 gradients may underflow. Wrap it as Keras' compile does: "
+            f"`keras.optimizers.LossScaleOptimizer({optimizer.name})`. "
+            f"Received: optimizer={type(optimizer).__name__}",
+            FastloopWarning,
+            stacklevel=3,
+        )
+
+    # ------------------------------------------------------------ a custom step's trace
+
+    @contextlib.contextmanager
+    def watching(self, step_name):
+        """Around a custom `train_step`: warn once if it never reached the stages."""
+        reached = self._reached
+        yield
+        if self._reached != reached or self.warned_unreached or not self.stage_options:
+            return
+        self.warned_unreached = True
+        given = ", ".join(f"{k}={v!r}" for k, v in self.stage_options.items())
+        warnings.warn(
+            f"{step_name} never calls the step's stages, so compile({given}) does nothing "
+            "for it. Replace `grads = tape.gradient(loss, variables)` and "
+            "`optimizer.apply(grads, variables)` with "
+            "`self.fastloop_step.minimize(loss, variables, tape)` (pass `optimizer=` for "
+            f"another optimizer). Received: {given}",
+            FastloopWarning,
+            stacklevel=4,
+        )
+
+    # ------------------------------------------------------------------ loss weighting
+
+    def build_weighting(self, layout=None):
+        """Create the weighting's state once the tasks are known (never inside a trace).
+
+        `layout`: `(task names, static weights)`; default: the compiled loss' own, known
+        after its first call.
+        """
+        weighting, model = self.weighting, self.model
+        if weighting.task_names is not None:
+            return
+        names, static_weights = layout or (
+            model._compile_loss.names,
+            model._compile_loss.static_weights,
+        )
+        weighting.build(model, self.state, names, static_weights)
+        if self.weighting_given:
+            self.metrics.add_weighting(names, objective=not self.loss_is_objective)
+
+    @contextlib.contextmanager
+    def own(self):
+        """Marks `compute_loss` calls made by the library's steps, which record the task
+        losses themselves (after the non-finite guards, or per micro-batch)."""
+        before = self.own_step
+        self.own_step = True
+        try:
+            yield
+        finally:
+            self.own_step = before
+
+
+def build(model, settings) -> TrainingStep:
+    """The model's `TrainingStep` from validated `CompileSettings` (in `compile()`).
+
+    All step state is created here (or, for models whose outputs are unknown until their
+    first call, in Keras' symbolic build before training), under the caller's scope.
+    """
+    state = StepState()
+    if settings.clipper is not None:
+        settings.clipper.build(state)
+    guards.build(state, settings.nonfinite)
+    step = TrainingStep(model, settings, state)
+    if settings.loss is not None and model.dtype_policy.name in (
+        "mixed_float16",
+        "mixed_bfloat16",
+    ):
+        # Keras' mixed-precision guide: outputs that feed a loss should be float32.
+        mixed_precision.check_output_dtypes(model, model.dtype_policy.name)
+    return step
