@@ -52,8 +52,7 @@ def _watched(train_step):
         step = self.fastloop_step
         if step is None:
             return train_step(self, data)
-        with step.watching(f"{type(self).__name__}.train_step"):
-            return train_step(self, data)
+        return step.run_custom(train_step, self, data)
 
     watched._fastloop_own = True
     return watched
@@ -277,6 +276,21 @@ class OptimizedTrainer:
             metrics = metrics + step.metrics.all()
         return metrics
 
+    def reset_metrics(self):
+        super().reset_metrics()
+        step = self.fastloop_step
+        if step is not None and not self.__dict__.get("_fastloop_evaluating"):
+            step.applied_in_epoch.assign(0)
+
+    def get_metrics_result(self):
+        """Keras' metric results; NaN for the training values of an epoch in which no
+        update was applied (every step skipped), never a `Mean`'s 0.0 over no batch."""
+        logs = super().get_metrics_result()
+        step = self.fastloop_step
+        if step is None or self.__dict__.get("_fastloop_evaluating"):
+            return logs
+        return step.epoch_logs(logs)
+
     @contextlib.contextmanager
     def _evaluation(self):
         """The training-only step metrics are not part of `evaluate`'s metrics and logs."""
@@ -333,6 +347,7 @@ class OptimizedTrainer:
         grads, variables = gradients.connected(step, result.grads, variables)
         if not variables:
             warnings.warn("The model does not have any trainable weights.", stacklevel=2)
+            step.applied_in_epoch.assign_add(1)  # nothing to skip: the step counts as applied
             update.record_metrics(self, step, result, tf.constant(True))
             return self.get_metrics_result()
         global_losses = None

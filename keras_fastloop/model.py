@@ -6,6 +6,7 @@ The step itself lives in `keras_fastloop._trainer`; this module only combines it
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, Any
 
 import keras
@@ -20,6 +21,23 @@ if TYPE_CHECKING:
 __all__ = ["OptimizedModel", "OptimizedSequential", "optimized"]
 
 _FUNCTIONAL_VARIANTS = {}
+
+
+@contextlib.contextmanager
+def _bases_kept(cls):
+    """Restores `cls.__bases__` if Keras rewrote them meanwhile.
+
+    `keras.Model.__init__` given inputs and outputs by a class beside ours (a KerasHub task
+    whose `Functional` base was not injected yet) rewrites the bases of every class of the
+    instance's hierarchy (`inject_functional_model_class`), `OptimizedModel`'s included, which
+    would make every later subclassed `OptimizedModel` functional.
+    """
+    bases = cls.__bases__
+    try:
+        yield
+    finally:
+        if cls.__bases__ != bases:
+            cls.__bases__ = bases
 
 
 def _functional_variant(cls):
@@ -93,18 +111,19 @@ class OptimizedModel(OptimizedTrainer, keras.Model):
         return super().__new__(cls, *args, **kwargs)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        if internals.functional_init_arguments(args, kwargs) and not isinstance(
-            self, internals.Functional
-        ):
+        if not internals.functional_init_arguments(args, kwargs):
+            # Subclassed, or a class beside ours with its own constructor (a KerasHub task,
+            # which builds its layers, then passes inputs/outputs on to keras.Model).
+            with _bases_kept(OptimizedModel):
+                super().__init__(*args, **kwargs)
+            return
+        if not isinstance(self, internals.Functional):
             # A subclass whose own __init__ passes inputs/outputs to super().__init__: Keras
             # would rewrite the class hierarchy in place (breaking every later OptimizedModel);
             # the instance becomes its class' functional variant instead.
             self.__class__ = _functional_variant(type(self))
-        if isinstance(self, internals.Functional):
-            internals.Trainer.__init__(self)
-            internals.Functional.__init__(self, *args, **kwargs)
-        else:
-            super().__init__(*args, **kwargs)
+        internals.Trainer.__init__(self)
+        internals.Functional.__init__(self, *args, **kwargs)
 
 
 @_registry.register_model_class

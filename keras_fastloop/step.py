@@ -90,6 +90,10 @@ class TrainingStep:
         self.largest_batch = (
             micro_batching_module.largest_batch_variable() if settings.micro_batch_size else None
         )
+        # Updates applied since the metrics were last reset (an epoch with none logs NaN).
+        self.applied_in_epoch = keras.Variable(
+            0, dtype="int64", trainable=False, aggregation="only_first_replica", name="applied"
+        )
         self.warned_small_batch = False
         self.warned_unconnected = False
         self.warned_unreached = False
@@ -188,6 +192,7 @@ class TrainingStep:
         if self.clipper is not None:  # else the optimizer gets Keras' gradient
             grads = self.clipper(unique_rows, variables, grad_norm)
         update.apply(optimizer, grads, variables, decision, scale)
+        self.applied_in_epoch.assign_add(ops.cast(decision.applied, "int64"))
         guards.record_skip(self, optimizer, decision, unique_rows, variables)
         return decision, grad_norm
 
@@ -197,7 +202,10 @@ class TrainingStep:
     def _check_scaling(self, optimizer):
         """Under `mixed_float16`, an optimizer without loss scaling is said once."""
         model = self.model
-        if model.dtype_policy.name != "mixed_float16" or scaling.current_scale(optimizer):
+        if (
+            model.dtype_policy.name != "mixed_float16"
+            or scaling.current_scale(optimizer) is not None
+        ):
             return
         if id(optimizer) in self.warned_unscaled:
             return
@@ -213,13 +221,21 @@ class TrainingStep:
 
     # ------------------------------------------------------------ a custom step's trace
 
-    @contextlib.contextmanager
-    def watching(self, step_name):
-        """Around a custom `train_step`: warn once if it never reached the stages."""
+    def run_custom(self, train_step, model, data):
+        """A class's own `train_step`, watched: its logs gain the step metrics when it
+        reached the stages, and a `FastloopWarning` says once when it never did."""
         reached = self._reached
-        yield
-        if self._reached != reached or self.warned_unreached or not self.stage_options:
-            return
+        logs = train_step(model, data)
+        if self._reached != reached:
+            if isinstance(logs, dict):
+                extra = {m.name: m.result() for m in self.metrics.all() if m.name not in logs}
+                logs = {**logs, **extra}
+            return logs
+        if not self.warned_unreached and self.stage_options:
+            self._warn_unreached(f"{type(model).__name__}.train_step")
+        return logs
+
+    def _warn_unreached(self, step_name):
         self.warned_unreached = True
         given = ", ".join(f"{k}={v!r}" for k, v in self.stage_options.items())
         warnings.warn(
@@ -229,8 +245,24 @@ class TrainingStep:
             "`self.fastloop_step.minimize(loss, variables, tape)` (pass `optimizer=` for "
             f"another optimizer). Received: {given}",
             FastloopWarning,
-            stacklevel=4,
+            stacklevel=2,
         )
+
+    def epoch_logs(self, logs):
+        """`logs` with NaN for every training value when no update was applied since the
+        metrics were reset: a Keras `Mean` over zero batches reads 0.0, a perfect loss where
+        nothing trained. The step's state (`skipped_steps`, `loss_scale`, `{task}_weight`)
+        is kept."""
+        kept = {m.name for m in (self.metrics.skipped_steps, self.metrics.loss_scale) if m}
+        kept.update(m.name for m in self.metrics.weights)
+        none = ops.equal(self.applied_in_epoch, 0)
+
+        def nan_if_none(name, value):
+            if name in kept or not tf.is_tensor(value) or not value.dtype.is_floating:
+                return value
+            return ops.where(none, ops.cast(float("nan"), value.dtype), value)
+
+        return {name: nan_if_none(name, value) for name, value in logs.items()}
 
     # ------------------------------------------------------------------ loss weighting
 

@@ -400,8 +400,8 @@ def test_mirrored_strategy_two_replicas_accumulate_per_replica_share():
     def step(xb, yb):
         def replica_fn(xr, yr):
             result = micro_batching.accumulate(
-            model, model.fastloop_step, xr, yr, None, model.trainable_variables, 3
-        )
+                model, model.fastloop_step, xr, yr, None, model.trainable_variables, 3
+            )
             return distributed.all_reduce_sum([*result.grads, result.loss])
 
         return strategy.experimental_local_results(strategy.run(replica_fn, args=(xb, yb)))[0]

@@ -504,3 +504,39 @@ def test_skipped_steps_do_not_count_the_steps_a_halt_blocks(policy, loss_scaling
             pass
         counts.append((int(model.skipped_steps.numpy()), int(model.optimizer.iterations)))
     assert counts == [(1, 1), (1, 1)]
+
+
+# --------------------------------------------- an epoch in which no update was applied
+
+
+def _diverging_run(base, epochs, callbacks=()):
+    """Keras' BackupAndRestore docstring data: SGD on arange(100) diverges to NaN."""
+    keras.utils.set_random_seed(0)
+    model = base([keras.Input((20,)), keras.layers.Dense(10)])
+    model.compile(keras.optimizers.SGD(), loss="mse", metrics=["mae"])
+    x, y = np.arange(100, dtype="float32").reshape(5, 20), np.zeros(5, "float32")
+    return model, model.fit(
+        x, y, epochs=epochs, batch_size=1, verbose=0, shuffle=False, callbacks=list(callbacks)
+    )
+
+
+def test_an_epoch_without_an_applied_step_logs_nan_not_zero():
+    model, ours = _diverging_run(kf.OptimizedSequential, epochs=4)
+    skipped = int(model.skipped_steps.numpy())
+    assert 0 < skipped < 20
+    # Every epoch after the divergence applied no step: NaN for loss and metrics (never the
+    # perfect 0.0 of a Mean over no batch); the epochs before it are means over applied steps.
+    last_applied = next(i for i, v in enumerate(ours.history["loss"]) if np.isnan(v))
+    assert last_applied >= 1
+    for key in ("loss", "mae"):
+        assert np.isnan(ours.history[key][-1])
+        assert all(np.isfinite(ours.history[key][:last_applied])), key
+
+
+def test_early_stopping_never_takes_an_all_skipped_epoch_as_best():
+    stopper = keras.callbacks.EarlyStopping(monitor="loss", patience=1, restore_best_weights=True)
+    _, ours = _diverging_run(kf.OptimizedSequential, epochs=6, callbacks=[stopper])
+    assert len(ours.history["loss"]) < 6  # stopped: the NaN epochs are no improvement
+    assert np.isfinite(stopper.best) and stopper.best == min(
+        v for v in ours.history["loss"] if np.isfinite(v)
+    )
