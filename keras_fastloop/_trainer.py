@@ -340,10 +340,10 @@ class OptimizedTrainer:
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         prebuild.build_layers(self, x)
         variables = self.trainable_variables
-        if not optimizer.built:  # with every trainable variable, as Keras' step
-            optimizer.build(variables)
         # forward, loss and the loss-scaled gradient: full batch or micro-batched
         result = gradients.compute(self, step, x, y, sample_weight, variables)
+        if not optimizer.built:  # every trainable variable, the weighting's created just now
+            optimizer.build(self.trainable_variables)
         grads, variables = gradients.connected(step, result.grads, variables)
         if not variables:
             warnings.warn("The model does not have any trainable weights.", stacklevel=2)

@@ -21,6 +21,7 @@ import keras
 import tensorflow as tf
 from keras import ops
 
+from keras_fastloop import _validation
 from keras_fastloop._step.state import state_variable
 
 if TYPE_CHECKING:
@@ -305,11 +306,7 @@ class AutoClip(GradientClipping):
     """
 
     def __init__(self, percentile: float = 10.0, history_size: int = 10000) -> None:
-        if (
-            isinstance(percentile, bool)
-            or not isinstance(percentile, (int, float))
-            or not 0 < percentile <= 100
-        ):
+        if not _validation.is_real(percentile) or not 0 < percentile <= 100:
             raise ValueError(
                 f"`percentile` must be a number in (0, 100]. Received: percentile={percentile!r}"
             )

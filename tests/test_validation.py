@@ -91,3 +91,26 @@ def test_numpy_scalars_accepted_by_compile():
     )
     assert model.gradient_clipping.clipnorm == 1.0 and model.fastloop_step.micro_batch_size == 4
     assert kf.clipping.ClipByNorm(np.float64(0.5)).clipnorm == 0.5
+
+
+def test_numpy_scalars_are_accepted_wherever_numbers_are():
+    """Every numeric check goes through `_validation`: NumPy scalars pass as Keras takes them."""
+    import keras
+
+    assert kf.clipping.AutoClip(np.float32(10)).percentile == 10
+    kf.weighting.UncertaintyWeighting(initial_log_variance=np.float32(0.0))
+    kf.weighting.LossEMA(decay=np.float32(0.5))
+    x = np.ones((4, 2), "float32")
+    y = {"a": np.zeros((4, 1), "float32"), "b": np.ones((4, 1), "float32")}
+    logs = []
+    for weights in ({"a": 0.5, "b": 2.0}, {"a": np.float32(0.5), "b": np.float64(2.0)}):
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((2,))
+        outputs = {
+            "a": keras.layers.Dense(1, name="a")(inputs),
+            "b": keras.layers.Dense(1, name="b")(inputs),
+        }
+        model = kf.OptimizedModel(inputs, outputs)
+        model.compile("sgd", {"a": "mse", "b": "mse"}, loss_weights=weights)
+        logs.append(model.fit(x, y, epochs=1, verbose=0).history)
+    assert logs[0] == logs[1]

@@ -19,6 +19,7 @@ import keras
 from keras import ops, tree
 
 from keras_fastloop import _keras_internals as internals
+from keras_fastloop import _validation
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,12 +86,7 @@ def check_loss_weights(loss_weights):
     for weight in tree.flatten(loss_weights):
         if weight is None:
             continue
-        if (
-            isinstance(weight, bool)
-            or not isinstance(weight, (int, float))
-            or not math.isfinite(weight)
-            or weight < 0
-        ):
+        if not _validation.is_real(weight) or not math.isfinite(weight) or weight < 0:
             raise ValueError(
                 "Every entry of `loss_weights` must be a finite, non-negative number. "
                 f"Received: loss_weights={loss_weights}"
@@ -182,7 +178,7 @@ def check_counts(loss, loss_weights, model):
         raise ValueError(
             f"`loss` must have one entry per output ({count}: {names}). Received: loss={loss}"
         )
-    if isinstance(loss_weights, (int, float)) and not isinstance(loss_weights, bool) and count > 1:
+    if _validation.is_real(loss_weights) and count > 1:
         raise ValueError(
             "A single float `loss_weights` is only valid for a single-output model. "
             f"Received: loss_weights={loss_weights}"

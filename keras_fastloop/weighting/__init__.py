@@ -11,6 +11,7 @@ from typing import Any
 
 import keras
 
+from keras_fastloop import _validation
 from keras_fastloop.weighting.base import EqualWeighting, LossWeighting, Static
 from keras_fastloop.weighting.dwa import DWA
 from keras_fastloop.weighting.famo import FAMO
@@ -115,7 +116,7 @@ def check_loss_weights(
         values = list(loss_weights)
     else:
         values = [loss_weights]
-    if all(not isinstance(v, bool) and isinstance(v, (int, float)) and v == 1 for v in values):
+    if all(_validation.is_real(v) and v == 1 for v in values):
         return
     raise ValueError(
         f"`loss_weights` would be ignored by loss_weighting='{weighting.name}', which sets its "

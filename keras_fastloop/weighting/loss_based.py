@@ -5,6 +5,7 @@ from __future__ import annotations
 import keras
 from keras import ops
 
+from keras_fastloop import _validation
 from keras_fastloop._step.state import state_variable
 from keras_fastloop.weighting import _utils
 from keras_fastloop.weighting.base import _PACKAGE, LossWeighting
@@ -45,7 +46,7 @@ class LossEMA(LossWeighting):
 
     def __init__(self, decay: float = 0.9) -> None:
         super().__init__()
-        if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 <= decay < 1:
+        if not _validation.is_real(decay) or not 0 <= decay < 1:
             raise ValueError(f"`decay` must be a float in [0, 1). Received: decay={decay!r}")
         self.decay = float(decay)
 

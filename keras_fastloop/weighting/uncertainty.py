@@ -9,6 +9,7 @@ import tensorflow as tf
 from keras import ops
 
 from keras_fastloop import _keras_internals as internals
+from keras_fastloop import _validation
 from keras_fastloop.weighting.base import _PACKAGE, LossWeighting
 
 
@@ -79,11 +80,7 @@ class UncertaintyWeighting(LossWeighting):
 
     def __init__(self, initial_log_variance: float = 0.0, halved: bool = True) -> None:
         super().__init__()
-        if (
-            isinstance(initial_log_variance, bool)
-            or not isinstance(initial_log_variance, (int, float))
-            or not math.isfinite(initial_log_variance)
-        ):
+        if not _validation.is_real(initial_log_variance) or not math.isfinite(initial_log_variance):
             raise ValueError(
                 "`initial_log_variance` must be a finite float. "
                 f"Received: initial_log_variance={initial_log_variance!r}"
