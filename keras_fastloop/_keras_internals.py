@@ -11,7 +11,7 @@ from keras.src.backend import get_keras_mask
 from keras.src.backend.tensorflow.trainer import reduce_per_replica
 from keras.src.losses.loss import scale_loss_for_distribution, unscale_loss_for_distribution
 from keras.src.models.functional import Functional
-from keras.src.models.model import Trainer, functional_init_arguments
+from keras.src.models.model import Model, Trainer, functional_init_arguments
 from keras.src.saving import object_registration, serialization_lib
 from keras.src.trainers.compile_utils import CompileLoss, get_loss
 
@@ -131,6 +131,7 @@ def onednn_enabled():
 
 
 __all__ = [
+    "Model",
     "save_as",
     "CompileLoss",
     "onednn_enabled",

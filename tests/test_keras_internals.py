@@ -116,6 +116,24 @@ def test_every_keras_internal_we_use_still_exists_with_its_signature():
     assert kf.OptimizedModel.__bases__[-1] is keras.Model
 
 
+def test_saved_as_names_the_class_keras_registered():
+    """`save_as` writes Keras' registry of names: a variant saves under its class' name."""
+    import keras
+
+    from keras_fastloop import _keras_internals as internals
+
+    assert internals.Model is keras.Model
+
+    @keras.saving.register_keras_serializable(package="fastloop_test")
+    class Registered(keras.Model):
+        pass
+
+    variant = type("Registered", (Registered,), {})
+    internals.save_as(variant, Registered)
+    assert keras.saving.get_registered_name(variant) == "fastloop_test>Registered"
+    assert keras.saving.get_registered_object("fastloop_test>Registered") is Registered
+
+
 # --------------------------------------------- keras_fastloop/_fit_loop.py, resume.py, tuning/
 
 
