@@ -282,6 +282,7 @@ class OptimizedTrainer:
         step = self.fastloop_step
         if step is not None and not self.__dict__.get("_fastloop_evaluating"):
             step.applied_in_epoch.assign(0)
+            step.skipped_in_epoch.assign(0)
 
     def get_metrics_result(self):
         """Keras' metric results; NaN for the training values of an epoch in which no
@@ -348,7 +349,6 @@ class OptimizedTrainer:
         grads, variables = gradients.connected(step, result.grads, variables)
         if not variables:
             warnings.warn("The model does not have any trainable weights.", stacklevel=2)
-            step.applied_in_epoch.assign_add(1)  # nothing to skip: the step counts as applied
             update.record_metrics(self, step, result, tf.constant(True))
             return self.get_metrics_result()
         global_losses = None

@@ -90,9 +90,11 @@ class TrainingStep:
         self.largest_batch = (
             micro_batching_module.largest_batch_variable() if settings.micro_batch_size else None
         )
-        # Updates applied since the metrics were last reset (an epoch with none logs NaN).
-        self.applied_in_epoch = keras.Variable(
-            0, dtype="int64", trainable=False, aggregation="only_first_replica", name="applied"
+        # Updates applied and skipped since the metrics were last reset: an epoch with skipped
+        # steps and none applied logs NaN.
+        self.applied_in_epoch, self.skipped_in_epoch = (
+            keras.Variable(0, dtype="int64", trainable=False, aggregation="only_first_replica")
+            for _ in range(2)
         )
         self.warned_small_batch = False
         self.warned_unconnected = False
@@ -193,6 +195,7 @@ class TrainingStep:
             grads = self.clipper(unique_rows, variables, grad_norm)
         update.apply(optimizer, grads, variables, decision, scale)
         self.applied_in_epoch.assign_add(ops.cast(decision.applied, "int64"))
+        self.skipped_in_epoch.assign_add(ops.cast(decision.skipped, "int64"))
         guards.record_skip(self, optimizer, decision, unique_rows, variables)
         return decision, grad_norm
 
@@ -249,13 +252,15 @@ class TrainingStep:
         )
 
     def epoch_logs(self, logs):
-        """`logs` with NaN for every training value when no update was applied since the
-        metrics were reset: a Keras `Mean` over zero batches reads 0.0, a perfect loss where
+        """`logs` with NaN for every training value when steps were skipped and none applied
+        since the metrics were reset: a Keras `Mean` over zero batches reads 0.0, a perfect loss where
         nothing trained. The step's state (`skipped_steps`, `loss_scale`, `{task}_weight`)
         is kept."""
         kept = {m.name for m in (self.metrics.skipped_steps, self.metrics.loss_scale) if m}
         kept.update(m.name for m in self.metrics.weights)
-        none = ops.equal(self.applied_in_epoch, 0)
+        none = ops.logical_and(
+            ops.equal(self.applied_in_epoch, 0), ops.greater(self.skipped_in_epoch, 0)
+        )
 
         def nan_if_none(name, value):
             if name in kept or not tf.is_tensor(value) or not value.dtype.is_floating:

@@ -456,7 +456,9 @@ def test_mixed_float16(method_id):
     history = model.fit(x, y, batch_size=8, epochs=2, verbose=0).history
     # dynamic loss scaling may skip the first overflowing steps (2**15 start), as with `ew`
     assert history["skipped_steps"][-1] < 4
-    assert np.all(np.isfinite(history["a_weight"] + history["b_weight"] + history["loss"]))
+    # an epoch of overflows only logs a NaN loss (no update applied); the weights are state
+    assert np.all(np.isfinite(history["a_weight"] + history["b_weight"]))
+    assert np.isfinite(history["loss"][-1])
 
 
 def _two_replica_run(method_id, strategy):
