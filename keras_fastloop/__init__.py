@@ -14,7 +14,7 @@ from keras_fastloop import (
     tuning,
     weighting,
 )
-from keras_fastloop._step.guards import NonFiniteError
+from keras_fastloop._fit_callbacks import NonFiniteError
 from keras_fastloop._trainer import OptimizedTrainer
 from keras_fastloop._warnings import FastloopWarning
 from keras_fastloop.model import OptimizedModel, OptimizedSequential, optimized

@@ -6,8 +6,8 @@ other module wraps `fit` or patches its epoch iterator. Per `fit` call this modu
 1. binds `fit`'s arguments once (`inspect.signature(keras.Model.fit).bind`);
 2. adds the internal callbacks: those of the extensions listed in `EXTENSIONS` (`keras_fastloop._resume`
    adds the exact-resume callback after each `BackupAndRestore(save_freq=N)`,
-   `keras_fastloop._step.micro_batching` its batch-size monitor), then the
-   non-finite monitor of `keras_fastloop._step.guards`;
+   `keras_fastloop._fit_callbacks` its batch-size monitor), then the
+   non-finite monitor of `keras_fastloop._fit_callbacks`;
 3. captures `fit`'s epoch iterator once (Keras hands it to `_maybe_symbolic_build` first
    thing) and replaces its `_enumerate_iterator` on that instance only, for the whole `fit`,
    by the composition of its transforms, always in this order:
@@ -37,9 +37,10 @@ import warnings
 
 import keras
 
+from keras_fastloop import _fit_callbacks as fit_callbacks
 from keras_fastloop import _resume as resume
 from keras_fastloop._fit_run import FitRun, current_run
-from keras_fastloop._step import distributed, guards, micro_batching, prebuild
+from keras_fastloop._step import prebuild
 from keras_fastloop._warnings import FastloopWarning
 from keras_fastloop.tuning import _glue, events
 
@@ -51,7 +52,7 @@ _FIT_SIGNATURE = inspect.signature(keras.Model.fit)
 # which returns the callbacks (a list) with the extension's internal callbacks added.
 EXTENSIONS = {
     "exact_resume": resume.with_exact_resume,
-    "micro_batch_size": micro_batching.with_batch_size_monitor,
+    "micro_batch_size": fit_callbacks.with_batch_size_monitor,
 }
 
 
@@ -75,7 +76,7 @@ def with_internal_callbacks(model, callbacks):
         return callbacks
     for add_callbacks in EXTENSIONS.values():
         callbacks = add_callbacks(model, callbacks)
-    monitor = guards.NonFiniteMonitor(step.nonfinite)
+    monitor = fit_callbacks.NonFiniteMonitor(step.nonfinite)
     first = step.weighting.callbacks()
     return [*first, *callbacks, monitor]
 
@@ -157,7 +158,7 @@ def maybe_symbolic_build(model, keras_maybe_symbolic_build, iterator=None, data_
         data_batch: a batch, or `None`.
     """
     capture_epoch_iterator(model, iterator)
-    distributed.maybe_symbolic_build(
+    fit_callbacks.maybe_symbolic_build(
         model, keras_maybe_symbolic_build, iterator=iterator, data_batch=data_batch
     )
     prebuild.build_before_first_trace(model, iterator=iterator, data_batch=data_batch)

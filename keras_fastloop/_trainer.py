@@ -25,6 +25,7 @@ import tensorflow as tf
 
 from keras_fastloop import _compile_config as compile_config
 from keras_fastloop import _compile_settings as compile_settings
+from keras_fastloop import _fit_callbacks as fit_callbacks
 from keras_fastloop import _fit_loop as fit_loop
 from keras_fastloop import _keras_internals as internals
 from keras_fastloop import clipping as clipping_module
@@ -32,11 +33,10 @@ from keras_fastloop import step as step_module
 from keras_fastloop import tuning
 from keras_fastloop import weighting as weighting_module
 from keras_fastloop._step import (
-    distributed,
     gradients,
-    guards,
     loss_shares,
     losses,
+    multi_worker,
     objective,
     prebuild,
     update,
@@ -263,7 +263,7 @@ class OptimizedTrainer:
         scaling, the loss-scale overflows (expected: the `LossScaleOptimizer` halves its scale).
         Never silent: `fit` issues a `FastloopWarning` at the end of each epoch with skipped
         steps (`train_on_batch` after each call that skipped one), overflows counted apart;
-        `keras_fastloop._step.guards.report_skips` gives the message. Silence overflow-only
+        `keras_fastloop._fit_callbacks.report_skips` gives the message. Silence overflow-only
         reports with `warnings.filterwarnings("ignore", "Loss-scale overflows only")`. Saved
         with the model's step state (`model.save`, `BackupAndRestore`).
         """
@@ -383,7 +383,7 @@ class OptimizedTrainer:
 
     def _make_function(self, step_function):
         # Step outputs survive MultiWorkerMirroredStrategy's reduction (keras#20585).
-        return distributed.make_function(self, super()._make_function, step_function)
+        return multi_worker.make_function(self, super()._make_function, step_function)
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
         # fit's epoch iterator is captured here (fit_loop); multi-worker builds (keras#20585).
@@ -408,8 +408,8 @@ class OptimizedTrainer:
         Warns (`FastloopWarning`) when the step was skipped, as `fit` does once per epoch.
         """
         logs = super().train_on_batch(*args, **kwargs)
-        guards.raise_if_recorded(self)
-        guards.report_skips(self, "this train_on_batch call")  # a FastloopWarning if skipped
+        fit_callbacks.raise_if_recorded(self)
+        fit_callbacks.report_skips(self, "this train_on_batch call")  # a FastloopWarning if skipped
         return logs
 
     def make_train_function(self, force=False):

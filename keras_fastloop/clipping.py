@@ -401,7 +401,12 @@ def get(
     """
     if identifier is None or isinstance(identifier, GradientClipping):
         return identifier
-    if isinstance(identifier, numbers.Real) and not isinstance(identifier, bool):
+    if _validation.is_real(identifier):
+        if not 0 < identifier < float("inf"):  # name what the caller passed, not `clipnorm`
+            raise ValueError(
+                "`gradient_clipping` as a number is a global-norm threshold and must be "
+                f"positive and finite. Received: gradient_clipping={identifier!r}"
+            )
         return ClipByGlobalNorm(identifier)
     if isinstance(identifier, str):
         key = _ID_OF.get(_normalized(identifier))

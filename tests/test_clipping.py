@@ -239,3 +239,10 @@ def test_string_clipping_id_in_compile():
     assert isinstance(model.gradient_clipping, clipping.AutoClip)
     model.compile("sgd", "mse", loss_weighting=None)  # None: Keras' fixed loss_weights
     assert isinstance(model.loss_weighting, kf.weighting.Static)
+
+
+def test_a_bad_number_names_gradient_clipping_not_the_inner_clipnorm():
+    with pytest.raises(ValueError, match=r"gradient_clipping.*Received: gradient_clipping=-1$"):
+        clipping.get(-1)
+    with pytest.raises(ValueError, match="Received: gradient_clipping=inf"):
+        clipping.get(float("inf"))

@@ -241,3 +241,12 @@ def test_the_long_file_check_finds_a_long_file_and_accepts_its_reason(tmp_path):
     assert long_files_without_reason(tmp_path) == ["long.py (501 lines)"]
     (tmp_path / "long.py").write_text(f"{LONG_FILE_REASON} one table.\n" + "x = 1\n" * 501)
     assert long_files_without_reason(tmp_path) == []
+
+
+def test_the_step_package_holds_traced_code_only():
+    """`_step/` runs inside the trace; callbacks and eager reads live on the fit side
+    (`_fit_callbacks.py`)."""
+    for path in sorted((ROOT / PACKAGE / "_step").glob("*.py")):
+        text = path.read_text()
+        assert "callbacks.Callback" not in text, path.name
+        assert ".numpy()" not in text, path.name

@@ -28,15 +28,12 @@ every replica.
 from __future__ import annotations
 
 import dataclasses
-import warnings
 
-import keras
 import tensorflow as tf
 from keras import ops
 
 from keras_fastloop._step import scaling
 from keras_fastloop._step.state import state_variable
-from keras_fastloop._warnings import FastloopWarning
 
 # What the skip report reads (all policies): counts since the last report, and the first
 # skipped step of them, created in `compile()` (`build`) and reset by `report_skips`.
@@ -46,15 +43,6 @@ REPORT_VARIABLES = (
     ("first_skipped_step", "int64", -1),
     ("first_skipped_variable", "int32", -1),
 )
-
-
-class NonFiniteError(FloatingPointError, RuntimeError):
-    """Raised by `fit`/`train_on_batch` under `compile(nonfinite="raise")`.
-
-    The message names the optimizer step and the first variable whose gradient is not finite;
-    that step's update was not applied. A `RuntimeError`, as what Keras'
-    `TerminateOnNaN(raise_error=True)` raises, so handlers written for it catch this too.
-    """
 
 
 def build(state, policy):
@@ -203,141 +191,3 @@ def record_skip(step, optimizer, decision, grads, variables):
     step = ops.cast(iterations, "int64")
     state.first_skipped_step.assign(ops.where(first, step, state.first_skipped_step))
     state.first_skipped_variable.assign(ops.where(first, index, state.first_skipped_variable))
-
-
-def clear_report(state):
-    """Reset the skip report's counters (eagerly, from Python)."""
-    for name, _, value in REPORT_VARIABLES:
-        getattr(state, name).assign(value)
-
-
-def report_skips(model, when):
-    """Warn about the steps skipped since the last report, then reset the report.
-
-    Called at the end of every epoch of `fit` and after every `train_on_batch`.
-
-    Args:
-        model: the compiled `OptimizedModel`.
-        when: where the steps were skipped, for the message (`"epoch 3"`).
-
-    Returns:
-        `(skipped, overflows)`: the steps skipped for non-finite values and the loss-scale
-        overflows since the last report (`(0, 0)`: no warning).
-
-    Warns:
-        FastloopWarning: when a step was skipped. A non-finite skip names the count, the
-            first skipped optimizer step and the first variable with a non-finite gradient.
-            Loss-scale overflows (a `LossScaleOptimizer` halving its scale, expected under
-            dynamic loss scaling) are counted apart; an epoch with overflows only gets a
-            message that starts with `"Loss-scale overflows"` and says they are expected.
-    """
-    state = model.__dict__.get("_fastloop_state")
-    if state is None or not hasattr(state, "unreported_skipped_steps"):
-        return 0, 0
-    skipped = int(state.unreported_skipped_steps.numpy())
-    overflows = int(state.unreported_overflows.numpy())
-    if not skipped and not overflows:
-        return 0, 0
-    step = int(state.first_skipped_step.numpy())
-    index = int(state.first_skipped_variable.numpy())
-    clear_report(state)
-    total = int(state.skipped_steps.numpy())
-    overflow_text = (
-        f"{overflows} loss-scale overflow{'s' if overflows != 1 else ''} (steps skipped by the "
-        "LossScaleOptimizer's dynamic scaling, which halves the scale: expected under mixed "
-        "precision, not a fault)"
-    )
-    if not skipped:
-        message = (
-            f"Loss-scale overflows only in {when}: {overflow_text}; no step was skipped for "
-            f"non-finite data. `model.skipped_steps` counts both ({total} so far)."
-        )
-    else:
-        paths = state.__dict__.get("skipped_paths") or []
-        if 0 <= index < len(paths):
-            culprit = f"the first variable with a non-finite gradient is '{paths[index]}'"
-        else:
-            culprit = "the loss is not finite (every gradient is finite)"
-        also = f" Besides, {overflow_text}." if overflows else ""
-        message = (
-            f"{skipped} training step{'s' if skipped != 1 else ''} skipped for a non-finite "
-            f"loss or gradient in {when} (compile(nonfinite='skip')): the first at optimizer "
-            f"step {step}, where {culprit}. Their batches were not trained on. Check the "
-            "inputs, labels and sample weights, the learning rate and the loss. "
-            f"`model.skipped_steps` counts every skipped step ({total} so far).{also}"
-        )
-    warnings.warn(message, FastloopWarning, stacklevel=3)
-    return skipped, overflows
-
-
-class NonFiniteMonitor(keras.callbacks.Callback):
-    """Internal callback of `OptimizedModel.fit` for the non-finite policy.
-
-    For `"skip"` it only looks at epoch ends (no per-batch hook, so Keras keeps dispatching
-    batch callbacks asynchronously and the default setup is as fast as plain `fit`): it warns
-    once per epoch in which steps were skipped (`report_skips`). For `"terminate"` it also
-    checks after every batch (every execution with `steps_per_execution > 1`) and stops
-    training.
-    """
-
-    def __init__(self, policy):
-        super().__init__()
-        self.policy = policy
-        if policy == "terminate":
-            self.on_train_batch_end = self._stop_if_halted
-        if policy == "raise":
-            self.on_train_batch_end = lambda batch, logs=None: raise_if_recorded(self.model)
-
-    def on_train_begin(self, logs=None):
-        # A halt ends one fit only (as TerminateOnNaN): the next fit trains again.
-        self.model._fastloop_state.halted.assign(False)
-        if self.policy == "raise":
-            _clear_record(self.model._fastloop_state)
-
-    def _stop_if_halted(self, batch, logs=None):
-        if bool(self.model._fastloop_state.halted.numpy()) and not self.model.stop_training:
-            self.model.stop_training = True
-            print(
-                f"Batch {batch}: non-finite loss or gradient, terminating training "
-                "(compile(nonfinite='terminate')); the weights are those of the last good step."
-            )
-
-    def on_epoch_end(self, epoch, logs=None):
-        report_skips(self.model, f"epoch {epoch + 1}")
-
-
-def _clear_record(state):
-    state.nonfinite_step.assign(-1)
-    state.nonfinite_variable.assign(-1)
-
-
-def raise_if_recorded(model):
-    """Raise `NonFiniteError` if a step of `model` recorded a fault (`"raise"`).
-
-    The record is cleared first, and updates are unblocked, so the model can train again.
-
-    Raises:
-        NonFiniteError: naming the optimizer step and the first variable with a non-finite
-            gradient (or saying the loss was non-finite while every gradient was finite).
-    """
-    step = model.__dict__.get("_fastloop_step")
-    if step is None or step.nonfinite != "raise" or not bool(step.state.halted.numpy()):
-        return
-    state = step.state
-    fault_step = int(state.nonfinite_step.numpy())
-    index = int(state.nonfinite_variable.numpy())
-    paths = state.__dict__.get("nonfinite_paths") or []
-    state.halted.assign(False)
-    _clear_record(state)
-    clear_report(state)  # this error says it; overflows before it are not reported apart
-    if 0 <= index < len(paths):
-        culprit = f"the first variable with a non-finite gradient is '{paths[index]}'"
-    else:
-        culprit = "the loss is not finite (every gradient is finite)"
-    raise NonFiniteError(
-        f"Non-finite loss or gradient at optimizer step {fault_step} (compile(nonfinite='raise')): "
-        f"{culprit}. The update of that step was not applied: the weights and optimizer state "
-        f"are those of the last good step ({fault_step} updates applied). Check the inputs, labels "
-        "and sample weights of that batch, the learning rate and the loss; "
-        "compile(nonfinite='skip') skips such batches."
-    )

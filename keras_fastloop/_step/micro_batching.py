@@ -59,7 +59,7 @@ def validate_micro_batch_size(micro_batch_size):
     return int(micro_batch_size)
 
 
-def _warn_small_batch(step, samples):
+def warn_small_batch(step, samples):
     """Warn once per `TrainingStep` that a batch held fewer samples than `micro_batch_size`."""
     if step.warned_small_batch:
         return
@@ -89,34 +89,12 @@ def largest_batch_variable():
     )
 
 
-class BatchSizeMonitor(keras.callbacks.Callback):
-    """Internal callback of `fit` with `micro_batch_size`: warns once when no batch was
-    larger than `micro_batch_size` (checked at epoch ends, so a smaller last batch, which is
-    routine, never warns, and batch callbacks stay asynchronous)."""
-
-    def on_epoch_end(self, epoch, logs=None):
-        step = self.model.fastloop_step
-        if step.largest_batch is None or step.warned_small_batch:
-            return
-        largest = int(step.largest_batch.numpy())
-        if 0 < largest < step.micro_batch_size:
-            _warn_small_batch(step, largest)
-
-
-def with_batch_size_monitor(model, callbacks):
-    """`fit` extension: adds `BatchSizeMonitor` when `micro_batch_size` is set."""
-    step = model.__dict__.get("_fastloop_step")
-    if step is None or not step.micro_batch_size:
-        return callbacks
-    return [*callbacks, BatchSizeMonitor()]
-
-
 def _track_batch_size(step, n, k):
     """Trace-time warning when the batch size is static, else record it for the monitor."""
     static = tf.get_static_value(n)
     if static is not None:
         if int(static) < k:
-            _warn_small_batch(step, int(static))
+            warn_small_batch(step, int(static))
         return
     variable = step.largest_batch
     if variable is not None:

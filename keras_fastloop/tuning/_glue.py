@@ -97,12 +97,12 @@ def tunable(model):
     on one worker (`MirroredStrategy`): Keras 3.15's multi-step loop fails there ("You must
     feed a value for placeholder tensor"), `keras.Model` with `steps_per_execution=4` too.
     """
-    from keras_fastloop._step import distributed
+    from keras_fastloop._step import multi_worker
 
     strategy = model.distribute_strategy
     return (
         not model.run_eagerly
-        and not distributed.is_multi_worker(strategy)
+        and not multi_worker.is_multi_worker(strategy)
         and strategy.num_replicas_in_sync == 1
     )
 
@@ -219,9 +219,9 @@ def make_train_function(model, keras_make_train_function, force=False):
         return keras_make_train_function(force=force)
     if model.train_function is not None and not force:
         return model.train_function
-    from keras_fastloop._step import distributed
+    from keras_fastloop._step import multi_worker
 
-    model.train_function = distributed.make_function(
+    model.train_function = multi_worker.make_function(
         model, lambda step: _variable_steps_function(model, step, state), model.train_step
     )
     return model.train_function
