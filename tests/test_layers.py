@@ -250,3 +250,16 @@ def test_the_step_package_holds_traced_code_only():
         text = path.read_text()
         assert "callbacks.Callback" not in text, path.name
         assert ".numpy()" not in text, path.name
+
+
+def test_the_library_never_imports_its_benchmark():
+    """`keras_fastloop_bench` is a sibling package: it imports the library, never the reverse."""
+    for path in sorted((ROOT / PACKAGE).rglob("*.py")):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            assert not any(n.startswith("keras_fastloop_bench") for n in names), path

@@ -116,21 +116,8 @@ def _check_positive_int(name, value, allow_none=True):
     )
 
 
-def _element_length_func(element_length_func, length_fn, warn=True):
-    """`element_length_func`, or its deprecated alias `length_fn` (warns); checked callable."""
-    if length_fn is not None:
-        if element_length_func is not None:
-            raise ValueError(
-                "Pass `element_length_func` only (`length_fn` is its deprecated alias). "
-                f"Received: element_length_func={element_length_func!r}, length_fn={length_fn!r}"
-            )
-        if warn:
-            warnings.warn(
-                "`length_fn` is deprecated; use `element_length_func` (tf.data's name).",
-                DeprecationWarning,
-                stacklevel=3,
-            )
-        element_length_func = length_fn
+def _element_length_func(element_length_func):
+    """`element_length_func`, checked: a callable or `None`."""
     if element_length_func is not None and not callable(element_length_func):
         _validation.fail("element_length_func", "callable or None", element_length_func)
     return element_length_func
@@ -481,8 +468,6 @@ def plan_buckets(
     num_boundary_samples: int = _DEFAULT_NUM_BOUNDARY_SAMPLES,
     max_length: int | None = None,
     on_overflow: str = "extend",
-    *,
-    length_fn: Callable[[Any], tf.Tensor | int] | None = None,
 ) -> BucketPlan:
     """Resolves bucket boundaries and per-bucket batch sizes for a dataset, without batching.
 
@@ -511,7 +496,7 @@ def plan_buckets(
     _check_on_overflow(on_overflow)
     _check_positive_int("num_boundary_samples", num_boundary_samples, allow_none=False)
     _check_positive_int("max_length", max_length)
-    length_fn = _element_length_func(element_length_func, length_fn)
+    length_fn = _element_length_func(element_length_func)
     if bucket_boundaries is not None:
         bounds = _check_boundaries(bucket_boundaries)
         if num_buckets is not None:
@@ -621,8 +606,6 @@ def bucket_by_length(
     max_length: int | None = None,
     on_overflow: str = "extend",
     prefetch: bool = True,
-    *,
-    length_fn: Callable[[Any], tf.Tensor | int] | None = None,
 ) -> tf.data.Dataset:
     """Groups sequences of similar length into padded batches (`bucket_by_sequence_length`).
 
@@ -673,7 +656,6 @@ def bucket_by_length(
             or raise `ValueError`. A longer sequence that the scan could not see (infinite or
             larger-than-`num_boundary_samples` datasets) fails at run time with an
             `InvalidArgumentError` naming the length and the boundary.
-        length_fn: deprecated alias of `element_length_func` (a `DeprecationWarning`).
         prefetch: bool, default True. Append `prefetch(tf.data.AUTOTUNE)`.
 
     Returns:
@@ -724,7 +706,7 @@ def bucket_by_length(
         bucket_boundaries=bucket_boundaries,
         batch_size=batch_size,
         tokens_per_batch=tokens_per_batch,
-        element_length_func=_element_length_func(element_length_func, length_fn),
+        element_length_func=_element_length_func(element_length_func),
         num_buckets=num_buckets,
         num_boundary_samples=num_boundary_samples,
         max_length=max_length,
@@ -733,7 +715,7 @@ def bucket_by_length(
     return apply_bucket_plan(
         dataset,
         plan,
-        element_length_func=_element_length_func(element_length_func, length_fn, warn=False),
+        element_length_func=_element_length_func(element_length_func),
         pad_to_bucket_boundary=pad_to_bucket_boundary,
         padding_values=padding_values,
         drop_remainder=drop_remainder,
@@ -753,8 +735,6 @@ def apply_bucket_plan(
     shuffle_buffer: int | None = None,
     seed: int | None = None,
     prefetch: bool = True,
-    *,
-    length_fn: Callable[[Any], tf.Tensor | int] | None = None,
 ) -> tf.data.Dataset:
     """Batches a dataset according to a `BucketPlan` (the second half of `bucket_by_length`).
 
@@ -778,7 +758,7 @@ def apply_bucket_plan(
     _check_positive_int("shuffle_buffer", shuffle_buffer)
     _check_not_batched(dataset)
     dataset = _densify_ragged(dataset)
-    length_fn = _element_length_func(element_length_func, length_fn)
+    length_fn = _element_length_func(element_length_func)
     length_fn = length_fn or _default_length_fn(dataset.element_spec)
     bounds = plan.bucket_boundaries
     last = int(bounds[-1])

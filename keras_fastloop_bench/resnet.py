@@ -18,8 +18,8 @@ from pathlib import Path
 import keras
 import tensorflow as tf
 
-from keras_fastloop.bench import stock, workloads
 from keras_fastloop.datasets.digits import load_digits_data
+from keras_fastloop_bench import stock, workloads
 
 BATCH_SIZE = 64
 LEARNING_RATE = 1e-3

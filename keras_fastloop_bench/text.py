@@ -29,7 +29,6 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_fastloop.bench import workloads
 from keras_fastloop.data import (
     apply_bucket_plan,
     bucket_by_length,
@@ -38,6 +37,7 @@ from keras_fastloop.data import (
     sequences_to_dataset,
 )
 from keras_fastloop.datasets import load_stdlib_code
+from keras_fastloop_bench import workloads
 
 BATCH_SIZE = 32
 LEARNING_RATE = 1e-3

@@ -9,9 +9,9 @@ contender of the default suite from the parent's initial weights, and sends back
 `harness.Run` holds, as JSON. As for every in-process contender, the clock starts when
 training starts: TensorFlow's import in the child (a few seconds) is not counted.
 
-The child is `python -m keras_fastloop.bench.own_process_child SPEC`, with `SPEC` a JSON file:
+The child is `python -m keras_fastloop_bench.own_process_child SPEC`, with `SPEC` a JSON file:
 `{"contender", "policy", "quick", "epochs", "weights", "out"}`. This module
-imports nothing of the suite (`keras_fastloop.bench.default` imports it); the child module,
+imports nothing of the suite (`keras_fastloop_bench.default` imports it); the child module,
 above both, runs the suite's contender.
 """
 
@@ -35,7 +35,7 @@ def own_process_contender(
     """A contender `train(run)` that runs `contender` of the default suite in a child process.
 
     Args:
-        contender: string, a name from `keras_fastloop.bench.default.contenders`.
+        contender: string, a name from `keras_fastloop_bench.default.contenders`.
         env: dict of environment variables set in the child on top of this process's.
         quick: bool, the default suite's `quick` data (the child rebuilds the same data).
         policy: string or None, the dtype policy for the recommended-setup contender.
@@ -71,7 +71,7 @@ def own_process_contender(
                 )
             )
             result = run_child(
-                [sys.executable, "-m", "keras_fastloop.bench.own_process_child", str(spec)],
+                [sys.executable, "-m", "keras_fastloop_bench.own_process_child", str(spec)],
                 out,
                 {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", **env},
                 timeout,

@@ -14,7 +14,7 @@ its best*, separately from its gain over float32 `fit`:
 - Keras on the JAX backend (`jax_contender`), in its own process, where `jax` can be imported
   there (`jax_status`); otherwise the report states why the row is missing.
 
-Every contender here is a harness contender `train(run)` (see `keras_fastloop.bench.harness`).
+Every contender here is a harness contender `train(run)` (see `keras_fastloop_bench.harness`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from keras_fastloop.bench import harness, own_process
+from keras_fastloop_bench import harness, own_process
 
 __all__ = [
     "JAX_PATH_ENV",

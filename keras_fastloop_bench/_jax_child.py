@@ -1,4 +1,4 @@
-"""Child of `keras_fastloop.bench.stock.jax_contender`: Keras `fit` on the JAX backend.
+"""Child of `keras_fastloop_bench.stock.jax_contender`: Keras `fit` on the JAX backend.
 
 Run as a script (`python _jax_child.py SPEC`, `KERAS_BACKEND=jax`): it imports Keras and NumPy
 only (neither TensorFlow nor `keras_fastloop`, whose import would load TensorFlow). `SPEC` is a

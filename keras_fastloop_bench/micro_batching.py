@@ -22,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 
-from keras_fastloop.bench import harness
+from keras_fastloop_bench import harness
 
 _SIZE = 64
 
@@ -81,7 +81,7 @@ def _worker(k, batch, steps, weights_path):
 
 def _run_setting(k, batch, steps, weights_path):
     code = (
-        "import json, sys; from keras_fastloop.bench.micro_batching import _worker; "
+        "import json, sys; from keras_fastloop_bench.micro_batching import _worker; "
         f"print('RESULT' + json.dumps(_worker({k}, {batch}, {steps}, {str(weights_path)!r})))"
     )
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "CUDA_VISIBLE_DEVICES": ""}

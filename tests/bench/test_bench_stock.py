@@ -6,7 +6,7 @@ import keras
 import numpy as np
 import pytest
 
-from keras_fastloop.bench import harness, resnet, stock, text, workloads
+from keras_fastloop_bench import harness, resnet, stock, text, workloads
 
 
 def _run(name, seconds_per_epoch, curve_losses=(1.0, 0.5), first=2.0):

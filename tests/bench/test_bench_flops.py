@@ -3,7 +3,7 @@
 import keras
 import pytest
 
-from keras_fastloop.bench import flops
+from keras_fastloop_bench import flops
 
 
 def test_dense_model_hand_computed():

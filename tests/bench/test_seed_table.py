@@ -5,7 +5,7 @@ import json
 import keras
 import pytest
 
-from keras_fastloop.bench import seed_table
+from keras_fastloop_bench import seed_table
 
 
 @pytest.mark.parametrize("profile", ["cpu", "gpu"])

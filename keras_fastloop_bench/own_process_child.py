@@ -1,8 +1,8 @@
-"""The child process of `keras_fastloop.bench.own_process`: runs one default-suite contender.
+"""The child process of `keras_fastloop_bench.own_process`: runs one default-suite contender.
 
-`python -m keras_fastloop.bench.own_process_child SPEC` (`SPEC`: the JSON file that
+`python -m keras_fastloop_bench.own_process_child SPEC` (`SPEC`: the JSON file that
 `own_process_contender` writes) rebuilds the suite's data with the suite's seed, trains the
-named contender of `keras_fastloop.bench.default.contenders(..., extras=False)` from the
+named contender of `keras_fastloop_bench.default.contenders(..., extras=False)` from the
 parent's initial weights, and writes what a `harness.Run` holds to `SPEC["out"]` as JSON.
 """
 
@@ -16,7 +16,7 @@ import keras
 import numpy as np
 
 from keras_fastloop import _keras_internals
-from keras_fastloop.bench import default, harness
+from keras_fastloop_bench import default, harness
 
 
 def _child(spec_path):

@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from keras_fastloop.bench import multitask
+from keras_fastloop_bench import multitask
 
 
 def test_data_is_two_overlapping_real_digits():

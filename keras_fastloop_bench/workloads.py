@@ -16,8 +16,8 @@ from pathlib import Path
 import keras
 
 from keras_fastloop import mixed_precision, tuning
-from keras_fastloop.bench import harness, stock
 from keras_fastloop.model import OptimizedModel
+from keras_fastloop_bench import harness, stock
 
 BASELINE = "keras.Model.fit, float32"
 RECOMMENDED = "OptimizedModel, recommended setup"

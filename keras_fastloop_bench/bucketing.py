@@ -25,7 +25,6 @@ from pathlib import Path
 import keras
 import tensorflow as tf
 
-from keras_fastloop.bench import harness
 from keras_fastloop.data import (
     bucket_by_length,
     geometric_boundaries,
@@ -33,6 +32,7 @@ from keras_fastloop.data import (
     sequences_to_dataset,
 )
 from keras_fastloop.datasets import load_stdlib_code
+from keras_fastloop_bench import harness
 
 BATCH_SIZE = 32
 

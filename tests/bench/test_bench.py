@@ -8,8 +8,9 @@ import keras
 import numpy as np
 import pytest
 
-from keras_fastloop import cli, tuning
-from keras_fastloop.bench import bucketing, default
+import keras_fastloop_cli as cli
+from keras_fastloop import tuning
+from keras_fastloop_bench import bucketing, default
 
 
 @pytest.mark.slow
@@ -50,8 +51,8 @@ def test_own_process_contender_trains_what_the_in_process_one_trains():
     """The child rebuilds the data and the contender: with this process's settings it gives
     this process's numbers, and it reports the oneDNN switch it ran with."""
     from keras_fastloop import _keras_internals
-    from keras_fastloop.bench import harness
-    from keras_fastloop.bench.own_process import own_process_contender
+    from keras_fastloop_bench import harness
+    from keras_fastloop_bench.own_process import own_process_contender
 
     data = default.Data(quick=True)
     keras.utils.set_random_seed(default.SEED)
@@ -92,11 +93,11 @@ def test_cli_lists_every_suite_module():
     import importlib
 
     for module in cli.SUITES.values():
-        assert hasattr(importlib.import_module(f"keras_fastloop.bench.{module}"), "run")
+        assert hasattr(importlib.import_module(f"keras_fastloop_bench.{module}"), "run")
 
 
 def _fake_run(name, curve, samples_per_epoch=100, seconds_per_epoch=1.0):
-    from keras_fastloop.bench import harness
+    from keras_fastloop_bench import harness
 
     run = harness.Run(name=name, epochs=len(curve), initial_weights=[])
     run.curve = list(curve)
@@ -107,7 +108,7 @@ def _fake_run(name, curve, samples_per_epoch=100, seconds_per_epoch=1.0):
 
 
 def test_the_table_gives_the_paired_per_round_ratios():
-    from keras_fastloop.bench import harness
+    from keras_fastloop_bench import harness
 
     row = {
         "contender": "c",
@@ -130,7 +131,7 @@ def test_the_table_gives_the_paired_per_round_ratios():
 
 
 def test_median_round_ranks_by_time_to_target():
-    from keras_fastloop.bench import harness
+    from keras_fastloop_bench import harness
 
     rounds = [
         _fake_run("a", [(1.0, 0.5), (2.0, 0.1)]),  # reaches 0.2 at 2.0 s
@@ -144,7 +145,7 @@ def test_median_round_ranks_by_time_to_target():
 
 
 def test_plot_has_all_rounds_the_target_and_a_throughput_bar_chart(tmp_path):
-    from keras_fastloop.bench import harness
+    from keras_fastloop_bench import harness
 
     runs = {
         "plain fit": [
@@ -170,7 +171,7 @@ def test_plot_has_all_rounds_the_target_and_a_throughput_bar_chart(tmp_path):
 def test_one_report_writer_writes_strict_json_for_numpy_nan(tmp_path):
     import numpy as np
 
-    from keras_fastloop.bench import harness
+    from keras_fastloop_bench import harness
 
     payload = {
         "a": np.float32("nan"),
@@ -189,7 +190,7 @@ def test_one_report_writer_writes_strict_json_for_numpy_nan(tmp_path):
 
 
 def test_run_alternating_rotates_the_order_each_round():
-    from keras_fastloop.bench import harness
+    from keras_fastloop_bench import harness
 
     order = []
 

@@ -24,7 +24,7 @@ import pathlib
 import subprocess
 import sys
 
-from keras_fastloop.bench import harness
+from keras_fastloop_bench import harness
 
 CLIP = 1.0
 
@@ -163,7 +163,7 @@ def run(out_dir: pathlib.Path, quick: bool = False) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     code = (
         "import json, sys\n"
-        "from keras_fastloop.bench.distributed import _child\n"
+        "from keras_fastloop_bench.distributed import _child\n"
         f"print('RESULT' + json.dumps(_child({bool(quick)})))\n"
     )
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "CUDA_VISIBLE_DEVICES": ""}

@@ -27,7 +27,7 @@ baseline's, minus one. Memory: on a GPU the peak of `tf.config.experimental.get_
 after `reset_memory_stats`, per run; on a CPU the growth of the process' peak resident set
 size during the run (a coarse measure: TF's allocator caches, graphs and the data pipeline are
 all in it). Every figure is also given in FLOP/s against the machine's peak
-(`keras_fastloop.bench.flops`).
+(`keras_fastloop_bench.flops`).
 
 Profiles: `cpu`: a small ResNet (3 stages of one basic block, 64/128/256 filters, batch norm) on
 the real digits images (`load_digits_data`, 16x16). `gpu`: `keras.applications.ResNet50
@@ -46,8 +46,8 @@ import numpy as np
 import tensorflow as tf
 
 from keras_fastloop import mixed_precision
-from keras_fastloop.bench import flops, harness
 from keras_fastloop.model import OptimizedModel
+from keras_fastloop_bench import flops, harness
 
 LEARNING_RATE = 1e-3
 

@@ -265,7 +265,7 @@ def run(
     import keras
 
     from keras_fastloop import _validation
-    from keras_fastloop.bench.harness import machine_description, write_report
+    from keras_fastloop_bench.harness import machine_description, write_report
 
     out_dir = Path(out_dir)
     n_seeds = (

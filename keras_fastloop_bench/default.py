@@ -21,12 +21,12 @@ import keras
 import tensorflow as tf
 
 from keras_fastloop import mixed_precision, tuning
-from keras_fastloop.bench import flops, harness, stock, torch_contender
-from keras_fastloop.bench.own_process import own_process_contender
 from keras_fastloop.callbacks.monitors import ProfilerWindow
 from keras_fastloop.callbacks.periodic_validation import PeriodicValidation
 from keras_fastloop.datasets.digits import load_digits_data
 from keras_fastloop.model import OptimizedModel
+from keras_fastloop_bench import flops, harness, stock, torch_contender
+from keras_fastloop_bench.own_process import own_process_contender
 
 BATCH_SIZE = 64
 LEARNING_RATE = 1e-3

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from keras_fastloop.bench import default, harness, torch_contender
+from keras_fastloop_bench import default, harness, torch_contender
 
 torch = pytest.importorskip("torch")
 
