@@ -212,3 +212,19 @@ def test_one_docstring_markup():
         if re.search(r":(class|func|mod|meth|attr):`|(?<!`)``(?!`)", line)
     ]
     assert not offending
+
+
+def test_public_docstrings_stay_within_60_lines():
+    """Docstrings say what (summary, arguments, errors, reference); docs/ says why."""
+    import ast
+    import pathlib
+
+    package = pathlib.Path(kf.__file__).parent
+    long = []
+    for path in sorted(package.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and not node.name.startswith("_"):
+                doc = ast.get_docstring(node, clean=False) or ""
+                if len(doc.splitlines()) > 60:
+                    long.append(f"{path.relative_to(package)}:{node.name}")
+    assert long == []

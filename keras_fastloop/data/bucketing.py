@@ -609,14 +609,7 @@ def bucket_by_length(
 ) -> tf.data.Dataset:
     """Groups sequences of similar length into padded batches (`bucket_by_sequence_length`).
 
-    A sequence of length `L` goes to the first bucket whose boundary is `>= L` (boundaries are
-    *inclusive* maxima; see the module docstring for how this maps onto tf.data's exclusive
-    ones). With `pad_to_bucket_boundary=True` every batch is padded to its bucket's boundary, so
-    the number of distinct batch shapes is at most the number of buckets (plus smaller last
-    batches per bucket unless `drop_remainder=True`): a `jit_compile=True` step compiles at most
-    that many times. Nothing is truncated.
-
-    Pipeline: `[shuffle] -> bucket_by_sequence_length -> [prefetch(AUTOTUNE)]`.
+    How it behaves in detail: docs/behaviour.md#bucket_by_length.
 
     Args:
         dataset: `tf.data.Dataset` of unbatched elements: a sequence tensor, an `(x, y)` or
@@ -638,7 +631,6 @@ def bucket_by_length(
         padding_values: scalar, nested structure matching the elements, or None (default:
             0 of each dtype). A scalar is cast to every component's dtype.
         drop_remainder: bool, default False. Drop the last, smaller batch of each bucket.
-            Note that True drops sequences (and their tokens).
         shuffle_buffer: positive int or None (default). Shuffle the unbatched elements with this
             buffer before bucketing (reshuffled every epoch).
         seed: int or None (default). Shuffle seed; the same seed gives the same order.
@@ -649,28 +641,16 @@ def bucket_by_length(
         num_boundary_samples: positive int, default 100000. How many leading elements are read
             at build time to choose boundaries and find the longest sequence. When the dataset
             has at most this many elements, overflow is ruled out at build time.
-        max_length: positive int or None (default). Known maximum length; with
-            `bucket_boundaries` given, it skips the build-time scan.
+        max_length: positive int or None (default). Known maximum length (skips the scan).
         on_overflow: `"extend"` (default) or `"error"`. What to do at build time when the
             longest sequence exceeds the largest boundary: append a bucket ending at that length,
-            or raise `ValueError`. A longer sequence that the scan could not see (infinite or
-            larger-than-`num_boundary_samples` datasets) fails at run time with an
-            `InvalidArgumentError` naming the length and the boundary.
+            or raise `ValueError`.
         prefetch: bool, default True. Append `prefetch(tf.data.AUTOTUNE)`.
 
     Returns:
-        A `tf.data.Dataset` of padded batches with the same structure as the elements; every
-        component gains a leading batch axis and its variable axes are padded. When the
-        build-time scan read the whole dataset (at most `num_boundary_samples` elements, and
-        a scan is needed: no `bucket_boundaries` or no `max_length`), its cardinality is the
-        number of batches, `sum_b ceil(n_b / batch_b)` (`floor` with `drop_remainder`), so
-        `fit` knows the epoch length; otherwise it is unknown. The declared length assumes
-        every pass yields the same lengths (a random-length map would fail at run time with
-        tf.data's cardinality error; pass `max_length` and `bucket_boundaries` to skip it).
-        The scan iterates `dataset` once: a `shuffle(..., reshuffle_each_iteration=True)` in
-        it draws one order for the scan, so training starts at its second order. To keep the
-        order of the same pipeline without bucketing, plan on the unshuffled data and apply
-        the plan to the shuffled one (`plan_buckets`, then `apply_bucket_plan`).
+        A `tf.data.Dataset` of padded batches with the same structure as the elements (a
+        leading batch axis; variable axes padded), of known cardinality when the build-time
+        scan read the whole dataset.
 
     Raises:
         ValueError: on invalid arguments (unsorted, empty or non-positive boundaries; both or
