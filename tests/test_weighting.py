@@ -7,7 +7,7 @@ import tensorflow as tf
 from _helpers import EXPECT_SKIP_WARNINGS, two_replica_strategy
 
 from keras_fastloop import OptimizedModel, weighting
-from keras_fastloop.weighting import gradient_based as gb
+from keras_fastloop.weighting import _solvers as gb
 
 pytestmark = EXPECT_SKIP_WARNINGS
 

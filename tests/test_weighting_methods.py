@@ -10,7 +10,7 @@ from scipy.optimize import minimize
 
 from keras_fastloop import OptimizedModel, weighting
 from keras_fastloop._step.state import StepState
-from keras_fastloop.weighting import gradient_based as gb
+from keras_fastloop.weighting import _solvers as gb
 
 
 def _gram(*vectors):
