@@ -1,4 +1,4 @@
-"""Tests for keras_fastloop.data.bucketing and keras_fastloop.data.stats (cases C15, C16)."""
+"""Tests for keras_fastloop.data.bucketing and keras_fastloop.data.stats."""
 
 import functools
 
@@ -48,7 +48,7 @@ def _strip(batch_x):
 
 
 # ------------------------------------------------------------------------------------------
-# C15: bounded shapes, no token lost, overflow handled at build time.
+# bounded shapes, no token lost, overflow handled at build time.
 # ------------------------------------------------------------------------------------------
 
 
@@ -520,7 +520,7 @@ def test_bucketing_reduces_padding_vs_padded_batch():
 
 
 # ------------------------------------------------------------------------------------------
-# C16: masked loss is independent of the padded length.
+# masked loss is independent of the padded length.
 # ------------------------------------------------------------------------------------------
 
 

@@ -1,4 +1,4 @@
-"""Features that compose (issue 13): every pair of step features against its reference run.
+"""Features that compose: every pair of step features against its reference run.
 
 Features that must not change the mathematics ("neutral"): `steps_per_execution=4`,
 `micro_batch_size`, two replicas, the optimizer's `gradient_accumulation_steps` (two batches

@@ -255,7 +255,7 @@ def test_step_state_is_not_in_model_weights_but_is_saved(tmp_path):
     assert int(other.skipped_steps.numpy()) == 7
 
 
-# ============================ cases C1-C7 of the step (were tests/test_step_cases.py)
+# ============================ the step's semantics: sample and class weights, reductions, loss scaling
 
 
 class ScalarModel(kf.OptimizedModel):

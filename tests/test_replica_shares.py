@@ -1,4 +1,4 @@
-"""Replicas with unequal shares of the loss denominator (issue 13, items 4 and 5).
+"""Replicas with unequal shares of the loss denominator (a smaller last batch, unevenly masked tokens).
 
 Each replica's Keras loss divides by its own denominator (samples, real tokens under a mask, or
 the sum of its sample weights); OptimizedModel weights it by `R * D_r / D` (one all-reduce),

@@ -247,7 +247,7 @@ def test_any_skip_warns_at_the_epoch_end():
     assert int(model.skipped_steps.numpy()) == 1
 
 
-# ------------------------------------------- a skipped batch leaves no trace (issue 14, item 2)
+# ------------------------------------------- a skipped batch leaves no trace
 
 METRIC_BATCH = 4
 
@@ -352,7 +352,7 @@ def test_early_stopping_on_loss_does_not_stop_a_healthy_run_with_a_nan_batch(mix
     assert int(model.skipped_steps.numpy()) == 4
 
 
-# ------------------------------------------------ NaN data and the loss scale (issue 14, item 3)
+# ------------------------------------------------ NaN data and the loss scale
 
 
 def fit_scaled(data, growth_steps=2000, callbacks=None, initial_scale=2.0**15):

@@ -1,4 +1,4 @@
-"""Skipped steps are never silent (issue 32): the skip report's `FastloopWarning`.
+"""Skipped steps are never silent: the skip report's `FastloopWarning`.
 
 References: the count and first step are hand-computed from which batches hold an `inf`; the
 first variable is the first of `model.trainable_variables` whose gradient on the bad batch,

@@ -55,7 +55,7 @@ def test_mean_se_and_paired_test_by_hand():
 
 def test_quick_run_writes_the_report(tmp_path):
     # Two methods (one of each family besides `ew`) keep the test short; every method trains
-    # in tests/test_weighting.py, and the notebook runs three more (slow job).
+    # in tests/weighting/test_weighting.py, and the notebook runs three more (slow job).
     result = multitask.run(tmp_path, quick=True, methods=("uw", "mgda"))
     for name in ("multitask.md", "multitask.json", "multitask.png"):
         assert (tmp_path / name).stat().st_size > 0
@@ -82,7 +82,7 @@ def test_quick_run_writes_the_report(tmp_path):
 
 def test_notebook_is_stripped_and_runs_the_quick_benchmark():
     nbformat = pytest.importorskip("nbformat")
-    path = Path(__file__).parents[1] / "notebooks" / "multitask.ipynb"
+    path = Path(__file__).parents[2] / "notebooks" / "multitask.ipynb"
     nb = nbformat.read(path, as_version=4)
     nbformat.validate(nb)
     code = "\n".join(c.source for c in nb.cells if c.cell_type == "code")
