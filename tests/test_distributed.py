@@ -18,7 +18,7 @@ import keras_fastloop as kf
 from keras_fastloop import weighting as weighting_module
 from keras_fastloop._step import distributed
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # integration: the slow job
 
 GLOBAL_BATCH = 8
 

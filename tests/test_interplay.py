@@ -22,6 +22,8 @@ from _helpers import two_replica_strategy
 
 import keras_fastloop as kf
 
+pytestmark = pytest.mark.slow  # integration: the slow job
+
 SAMPLES, BATCH, EPOCHS = 64, 16, 2
 NEUTRAL = ("spe4", "micro", "replicas", "accumulation")
 CHANGING = ("clipping", "mixed_float16", "uw", "pcgrad")

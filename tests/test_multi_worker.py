@@ -16,7 +16,7 @@ import pytest
 
 from keras_fastloop_cli import launch as launch_module
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # integration: the slow job
 
 WORKER_SCRIPT = r"""
 import json

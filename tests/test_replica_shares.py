@@ -14,7 +14,7 @@ import tensorflow as tf
 
 import keras_fastloop as kf
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # integration: the slow job
 
 BATCH = 8
 SAMPLES = 11  # global batches of 8 and 3; the last one is split 2/1 across 2 replicas

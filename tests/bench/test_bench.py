@@ -12,6 +12,8 @@ import keras_fastloop_cli as cli
 from keras_fastloop import tuning
 from keras_fastloop_bench import bucketing, default
 
+pytestmark = pytest.mark.slow  # integration: the slow job
+
 
 @pytest.mark.slow
 def test_default_suite_quick(tmp_path):

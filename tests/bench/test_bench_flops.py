@@ -5,6 +5,8 @@ import pytest
 
 from keras_fastloop_bench import flops
 
+pytestmark = pytest.mark.slow  # integration: the slow job
+
 
 def test_dense_model_hand_computed():
     model = keras.Sequential(

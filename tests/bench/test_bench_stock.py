@@ -8,6 +8,8 @@ import pytest
 
 from keras_fastloop_bench import harness, resnet, stock, text, workloads
 
+pytestmark = pytest.mark.slow  # integration: the slow job
+
 
 def _run(name, seconds_per_epoch, curve_losses=(1.0, 0.5), first=2.0):
     run = harness.Run(name=name, epochs=len(curve_losses), initial_weights=[])

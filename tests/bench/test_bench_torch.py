@@ -9,6 +9,8 @@ import tensorflow as tf
 
 from keras_fastloop_bench import default, harness, torch_contender
 
+pytestmark = pytest.mark.slow  # integration: the slow job
+
 torch = pytest.importorskip("torch")
 
 

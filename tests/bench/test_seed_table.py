@@ -7,6 +7,8 @@ import pytest
 
 from keras_fastloop_bench import seed_table
 
+pytestmark = pytest.mark.slow  # integration: the slow job
+
 
 @pytest.mark.parametrize("profile", ["cpu", "gpu"])
 def test_quick_run_writes_the_table(tmp_path, profile):

@@ -8,6 +8,8 @@ import pytest
 
 from keras_fastloop_bench import multitask
 
+pytestmark = pytest.mark.slow  # integration: the slow job
+
 
 def test_data_is_two_overlapping_real_digits():
     from sklearn.datasets import load_digits
