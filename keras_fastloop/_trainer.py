@@ -33,6 +33,7 @@ from keras_fastloop import step as step_module
 from keras_fastloop import tuning
 from keras_fastloop import weighting as weighting_module
 from keras_fastloop._step import (
+    batch,
     gradients,
     loss_shares,
     losses,
@@ -371,7 +372,7 @@ class OptimizedTrainer:
         _, logged, record = objective.loss_terms(
             self, self.fastloop_step, x, y, y_pred, sample_weight, training=False
         )
-        batch_size = gradients.batch_size(x) if record is None else record.batch_size
+        batch_size = batch.batch_size(x) if record is None else record.batch_size
         self._loss_tracker.update_state(
             internals.unscale_loss_for_distribution(logged), sample_weight=batch_size
         )

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 
@@ -115,18 +115,6 @@ def check_real(
         ok = value < maximum if exclusive_maximum else value <= maximum
     check(ok, name, requirement, value)
     return float(value)
-
-
-def check_one_of(name: str, value: Any, choices: Iterable[Any]) -> Any:
-    """Checks that `value` is one of `choices` (compared with `==`); returns it.
-
-    Raises:
-        ValueError: naming the choices.
-    """
-    choices = tuple(choices)
-    ok = any(type(value) is type(c) and value == c for c in choices)
-    check(ok, name, "one of " + ", ".join(map(repr, choices)), value)
-    return value
 
 
 def check_callable(name: str, value: Any, *, allow_none: bool = False) -> Callable | None:

@@ -34,19 +34,7 @@ class WarmupCosineDecayRestarts(keras.optimizers.schedules.LearningRateSchedule)
     first_decay_steps, t_mul, m_mul, alpha)` evaluated at `step - warmup_steps`. As in
     Keras, `warmup_target` with `warmup_steps=0` starts the decay at `warmup_target`.
 
-    The first cosine period lasts `first_decay_steps`, each later period `t_mul` times
-    longer. As in Keras, `m_mul` scales the cosine part only: period `i` (0-based) starts at
-    `peak * ((1 - alpha) * m_mul**i + alpha)` and every period decays to the same floor
-    `alpha * peak`, where `peak` is `warmup_target` (or `initial_learning_rate` without a
-    warmup). The schedule is continuous at the end of the warmup.
-
-    Units: every `*_steps` argument and the `step` the schedule is called with count
-    optimizer updates. Caveat: when the optimizer itself accumulates gradients
-    (`keras.optimizers.SGD(..., gradient_accumulation_steps=k)`), Keras calls the
-    schedule with the number of *micro-batches* seen, not the number of updates.
-    Pass the same `gradient_accumulation_steps=k` here and the schedule converts it
-    back (`step // k`), so update `u` (1-based) uses the rate of `step = u - 1`, as it
-    would without accumulation.
+    How it behaves in detail: docs/behaviour.md#warmupcosinedecayrestarts.
 
     Args:
         initial_learning_rate: Float, >= 0. Learning rate at step 0: the peak of the first
@@ -54,8 +42,7 @@ class WarmupCosineDecayRestarts(keras.optimizers.schedules.LearningRateSchedule)
         first_decay_steps: Integer, > 0. Length of the first cosine period in optimizer
             updates.
         t_mul: Float, >= 1. Each period is `t_mul` times longer than the one before.
-            Defaults to `2.0`. (Values below 1 would make the periods sum to a finite
-            number of steps, after which Keras' formula returns NaN.)
+            Defaults to `2.0`.
         m_mul: Float, >= 0. Each period's cosine amplitude is `m_mul` times the
             previous one's. Defaults to `1.0`.
         alpha: Float in [0, 1]. Floor of every period as a fraction of the peak.
@@ -68,20 +55,15 @@ class WarmupCosineDecayRestarts(keras.optimizers.schedules.LearningRateSchedule)
         gradient_accumulation_steps: Keyword-only. Integer >= 1 or `None`. Set it to the
             optimizer's `gradient_accumulation_steps` so the schedule counts updates
             rather than micro-batches (see above). Defaults to `None` (no conversion).
-        allow_decreasing_warmup: Keyword-only. Boolean. Allow
-            `warmup_target < initial_learning_rate` (a linear *decrease* before the cosine
-            part). Defaults to `False`, because that is almost always a swapped pair of
-            arguments.
+        allow_decreasing_warmup: Keyword-only. Boolean. Allow `warmup_target <
+            initial_learning_rate` (a linear decrease). Defaults to `False`.
 
     Returns:
-        Called with a scalar step (integer or float tensor / Python number), returns
-        the learning rate as a scalar float32 tensor.
+        Called with a scalar step, the learning rate as a scalar float32 tensor.
 
     Raises:
-        ValueError: If an argument is out of range or of the wrong type (the message says
-            what must hold and `Received: ...`), if `warmup_steps > 0` without
-            `warmup_target`, or if `warmup_target < initial_learning_rate` without
-            `allow_decreasing_warmup=True`.
+        ValueError: an argument out of range or of the wrong type, `warmup_steps > 0`
+            without `warmup_target`, or a decreasing warmup not allowed.
 
     Example:
 
@@ -96,10 +78,8 @@ class WarmupCosineDecayRestarts(keras.optimizers.schedules.LearningRateSchedule)
     0.001
 
     Reference:
-        - Loshchilov & Hutter, "SGDR: Stochastic Gradient Descent with Warm Restarts",
-          ICLR 2017 (arXiv:1608.03983).
-        - Goyal et al., "Accurate, Large Minibatch SGD: Training ImageNet in 1 Hour",
-          2017 (arXiv:1706.02677): gradual linear warmup.
+        Loshchilov & Hutter, "SGDR", ICLR 2017 (arXiv:1608.03983); Goyal et al.,
+        "Accurate, Large Minibatch SGD", 2017 (arXiv:1706.02677): linear warmup.
     """
 
     def __init__(

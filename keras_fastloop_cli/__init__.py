@@ -20,7 +20,7 @@ from keras_fastloop_cli import launch
 
 __all__ = ["SUITES", "main", "version"]
 
-# Suite name -> module under keras_fastloop.bench exposing run(out_dir, quick=False) -> dict.
+# Suite name -> module under keras_fastloop_bench exposing run(out_dir, quick=False) -> dict.
 SUITES = {
     "default": "default",
     "multitask": "multitask",
@@ -69,7 +69,7 @@ def _bench(args):
     out_dir = Path(args.out)
     names = list(SUITES) if args.suite == "all" else [args.suite]
     for name in names:
-        module = importlib.import_module(f"keras_fastloop.bench.{SUITES[name]}")  # TF from here
+        module = importlib.import_module(f"keras_fastloop_bench.{SUITES[name]}")  # TF from here
         t0 = time.perf_counter()
         kwargs = {"quick": args.quick}
         if args.profile and name == "seed-table":

@@ -65,12 +65,12 @@ def test_bad_command_exits_with_usage():
     assert "invalid choice" in result.stderr
 
 
-@pytest.mark.parametrize("path", ["keras_fastloop.cli", "keras_fastloop.launch"])
-def test_historical_import_paths_still_work(path):
-    import importlib
+def test_the_unreleased_shims_are_gone():
+    """The command line lives in `keras_fastloop_cli` only (no re-export modules)."""
+    import importlib.util
 
-    module = importlib.import_module(path)
-    assert callable(module.main)
+    assert importlib.util.find_spec("keras_fastloop.cli") is None
+    assert importlib.util.find_spec("keras_fastloop.launch") is None
 
 
 def test_launch_is_a_subcommand_of_the_one_parser(monkeypatch):

@@ -1,4 +1,4 @@
-"""The code patterns of Keras' official examples, with `OptimizedModel` as the base (issue 29).
+"""The code patterns of Keras' official examples, with `OptimizedModel` as the base.
 
 Written here for this project (the patterns, not the examples' code): a GAN with two optimizers,
 its own `train_step` and `metrics` property; a VAE tracking three `Mean` metrics; a distiller

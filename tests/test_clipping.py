@@ -120,7 +120,7 @@ def test_huge_threshold_equals_no_clipping():
             np.testing.assert_allclose(a, b, atol=1e-6)
 
 
-# ================================ cases C8-C9: clipping in the step (were tests/test_step_cases.py)
+# ================================ clipping in the step: the three kinds, after unscaling
 
 
 def identity_loss(y_true, y_pred):

@@ -153,7 +153,7 @@ def test_mixed_float16_custom_step_is_loss_scaled_like_the_default_step():
 
 
 def test_minimize_seeds_the_backward_pass_with_the_loss_scale():
-    """Case C5 through a custom step: w == 0.9 after one step, not 0.99990234."""
+    """Loss scale 1024 through a custom step: w == 0.9 after one step, not 0.99990234."""
     variable_holder = {}
 
     class Scalar(kf.OptimizedModel):
@@ -259,7 +259,7 @@ def test_gan_with_two_optimizers_gets_the_policies_for_each(clipnorm):
 
 
 def test_custom_step_clips_the_gradient_summed_across_two_replicas(mirrored_strategy):
-    """Case C10 for a custom step: 2 replicas == 1 replica with the same global batch."""
+    """Clipping the cross-replica sum in a custom step: 2 replicas == 1 replica with the same global batch."""
     x, y = data(n=16)
     runs = []
     for strategy in (tf.distribute.get_strategy(), mirrored_strategy):

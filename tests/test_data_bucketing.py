@@ -1,4 +1,4 @@
-"""Tests for keras_fastloop.data.bucketing and keras_fastloop.data.stats (cases C15, C16)."""
+"""Tests for keras_fastloop.data.bucketing and keras_fastloop.data.stats."""
 
 import functools
 
@@ -48,7 +48,7 @@ def _strip(batch_x):
 
 
 # ------------------------------------------------------------------------------------------
-# C15: bounded shapes, no token lost, overflow handled at build time.
+# bounded shapes, no token lost, overflow handled at build time.
 # ------------------------------------------------------------------------------------------
 
 
@@ -368,18 +368,6 @@ def test_custom_element_length_func_and_ragged_input():
     assert sorted(x.shape[0] for x, _ in out) == [1, 2]
 
 
-def test_length_fn_is_a_deprecated_alias_of_element_length_func():
-    ds = tf.data.Dataset.from_tensor_slices(
-        (tf.ragged.constant([[1, 2, 3], [4], [5, 6]]), [0, 1, 2])
-    )
-    by_label = dict(bucket_boundaries=[1, 3], batch_size=4, pad_to_bucket_boundary=False)
-    with pytest.warns(DeprecationWarning, match="use `element_length_func`"):
-        out = list(bucket_by_length(ds, length_fn=lambda el: el[1] + 1, **by_label))
-    assert sorted(x.shape[0] for x, _ in out) == [1, 2]
-    with pytest.raises(ValueError, match="Pass `element_length_func` only"):
-        bucket_by_length(ds, element_length_func=len, length_fn=len, **by_label)
-
-
 def _first_epoch_order(ds):
     return [tuple(np.asarray(y).tolist()) for _, y in ds]
 
@@ -532,7 +520,7 @@ def test_bucketing_reduces_padding_vs_padded_batch():
 
 
 # ------------------------------------------------------------------------------------------
-# C16: masked loss is independent of the padded length.
+# masked loss is independent of the padded length.
 # ------------------------------------------------------------------------------------------
 
 

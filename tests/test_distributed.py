@@ -1,7 +1,7 @@
 """OptimizedModel under MirroredStrategy (2 logical CPU devices): exact and replica-invariant.
 
 Every test compares 1 replica (default strategy) with 2 replicas on the same global batches and
-the same initial weights. Case C10: clipping acts on the gradient that is applied (the sum over
+the same initial weights. Clipping acts on the gradient that is applied (the sum over
 replicas), which Keras' own `global_clipnorm` does not.
 """
 
@@ -18,7 +18,7 @@ import keras_fastloop as kf
 from keras_fastloop import weighting as weighting_module
 from keras_fastloop._step import distributed
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # integration: the slow job
 
 GLOBAL_BATCH = 8
 
@@ -157,7 +157,7 @@ def test_features_off_equals_keras_under_two_replicas():
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
-# --------------------------------------------------------------------------------- C10 clip
+# ------------------------------------------------- clipping the cross-replica sum
 
 
 def _applied_update_norm(strategy, cls, **compile_kwargs):

@@ -125,6 +125,7 @@ def bert_classifier(cls):
     return cls(backbone=backbone, preprocessor=preprocessor, num_classes=2)
 
 
+@pytest.mark.slow  # four small BERT tasks: the slow job
 def test_kerashub_task_in_either_base_order_and_optimized_equals_the_stock_task():
     keras_hub = pytest.importorskip("keras_hub")
     stock = keras_hub.models.BertTextClassifier
@@ -150,6 +151,7 @@ def test_kerashub_task_in_either_base_order_and_optimized_equals_the_stock_task(
         assert_same(runs[0], run)
 
 
+@pytest.mark.slow
 def test_kerashub_task_trains_with_clipping_on():
     keras_hub = pytest.importorskip("keras_hub")
 

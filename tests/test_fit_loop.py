@@ -1,4 +1,4 @@
-"""The fit loop (keras_fastloop/_fit_loop.py): features that compose, with the figures of issue 13.
+"""The fit loop (keras_fastloop/_fit_loop.py): features that compose, with their figures.
 
 Each test compares against the reference run (uninterrupted, `steps_per_execution=1`): exact
 optimizer step counts and weights. `"auto"` runs use a fake clock on which every execution

@@ -1,4 +1,4 @@
-"""Features that compose (issue 13): every pair of step features against its reference run.
+"""Features that compose: every pair of step features against its reference run.
 
 Features that must not change the mathematics ("neutral"): `steps_per_execution=4`,
 `micro_batch_size`, two replicas, the optimizer's `gradient_accumulation_steps` (two batches
@@ -21,6 +21,8 @@ import pytest
 from _helpers import two_replica_strategy
 
 import keras_fastloop as kf
+
+pytestmark = pytest.mark.slow  # integration: the slow job
 
 SAMPLES, BATCH, EPOCHS = 64, 16, 2
 NEUTRAL = ("spe4", "micro", "replicas", "accumulation")

@@ -1,4 +1,4 @@
-"""Micro-batching: k micro-batches == one batch (C11, C16 via masked tokens, issue 5).
+"""Micro-batching: k micro-batches == one batch (masked tokens included).
 
 Every reference is a plain `keras.Model` with the same initial weights trained on the full
 batch, or a NumPy value.
@@ -61,7 +61,7 @@ OPTIMIZERS = {
 }
 
 
-# ------------------------------------------------------------------------------------ C11
+# ------------------------------------------------ k micro-batches == one batch
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
@@ -279,7 +279,7 @@ def test_masked_tokens_are_weighted_equally_not_per_micro_batch():
 
 
 def test_masked_padding_length_does_not_change_the_update():
-    # C16 with micro-batches: the same sequences padded to 12 or to 24 give the same step.
+    # masked loss with micro-batches: the same sequences padded to 12 or to 24 give the same step.
     x, y, _, _ = padded_batch()
     models = []
     for pad in (12, 24):

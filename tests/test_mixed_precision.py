@@ -1,4 +1,4 @@
-"""Tests for keras_fastloop.mixed_precision: hardware description, policy choice, C7."""
+"""Tests for keras_fastloop.mixed_precision: hardware description, policy choice, float32 outputs under float16."""
 
 import gc
 import warnings
@@ -290,7 +290,7 @@ def test_set_recommended_policy_argument_errors():
 
 
 # ---------------------------------------------------------------------------------------------
-# C7: float32 outputs under mixed_float16
+# float32 outputs under mixed_float16 (logits ~7e4 overflow float16)
 # ---------------------------------------------------------------------------------------------
 
 
@@ -354,7 +354,7 @@ def test_c7_float16_output_overflows_and_is_flagged():
     model = _c7_model(None)  # layers follow the global mixed_float16 policy
     assert model.output.dtype == "float16"
     probs = keras.ops.convert_to_numpy(model(C7_X)).astype("float32")
-    assert not np.all(np.isfinite(probs))  # the failure C7 is about
+    assert not np.all(np.isfinite(probs))  # the overflow a float16 output suffers
 
     with pytest.warns(UserWarning, match=r"\['probs'\]"):
         assert check_output_dtypes(model) == ["probs"]

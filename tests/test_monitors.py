@@ -173,18 +173,6 @@ def test_throughput_argument_validation():
         ThroughputMonitor(timer=3)
 
 
-def test_throughput_clock_is_a_deprecated_alias_of_timer():
-    clock = FakeClock()
-    with pytest.warns(DeprecationWarning, match="use `timer=...`"):
-        monitor = ThroughputMonitor(batch_size=8, clock=clock)
-    assert monitor.timer is clock
-    with pytest.raises(ValueError, match="`clock` must be callable. Received: clock=3"):
-        with pytest.warns(DeprecationWarning):
-            ThroughputMonitor(clock=3)
-    with pytest.raises(ValueError, match="Pass `timer` only"):
-        ThroughputMonitor(timer=clock, clock=clock)
-
-
 # ---------------------------------------------------------------------------------------------
 # MemoryMonitor
 # ---------------------------------------------------------------------------------------------

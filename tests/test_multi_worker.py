@@ -1,6 +1,6 @@
 """OptimizedModel under MultiWorkerMirroredStrategy: 2 worker processes on loopback ports.
 
-The workers are started and stopped by the test through `keras_fastloop.launch` (bounded by a
+The workers are started and stopped by the test through `keras_fastloop_cli.launch` (bounded by a
 timeout). Both must end with identical weights, and their losses, evaluation and predictions
 must match a 1-worker run (default strategy, in this process) on the same global batches.
 """
@@ -14,9 +14,9 @@ import sys
 import numpy as np
 import pytest
 
-from keras_fastloop import launch as launch_module
+from keras_fastloop_cli import launch as launch_module
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # integration: the slow job
 
 WORKER_SCRIPT = r"""
 import json

@@ -1,4 +1,4 @@
-"""Drop-in parity (issue 12): what works with keras.Model / keras.Sequential works the same here.
+"""Drop-in parity: what works with keras.Model / keras.Sequential works the same here.
 
 Every test builds the same model twice from one seed, once with Keras' class and once with ours,
 trains both the same way and compares History (keys and values) and weights.
@@ -449,7 +449,7 @@ def test_wrapping_an_existing_model_shares_its_layers():
     tf.debugging.assert_equal(wrapped.trainable_variables[0], base.trainable_variables[0])
 
 
-# ----------------------------------------- issue 15: `loss` means the same for every method
+# ----------------------------------------- `loss` means the same for every method
 
 
 @pytest.mark.parametrize("method", ["uw", "famo", "dwa", "pcgrad"])
@@ -530,7 +530,7 @@ def test_per_output_losses_of_a_partial_last_batch_are_keras_in_graph_and_eager_
     """40 samples in batches of 16, 16, 8. Keras' `CompileLoss` weights each `{output}_loss`
     update by the prediction's *static* batch dimension: `None` in its graph step (each batch
     counts once), the batch's size in its eager step. That is Keras' definition of the logged
-    value, not a bug (issue 29): ours matches it on both paths, exactly."""
+    value, not a bug: ours matches it on both paths, exactly."""
     x, _ = rng_data(40)
     labels = np.random.default_rng(1).integers(0, 3, 40)
     targets = np.random.default_rng(2).normal(size=(40, 1)).astype("float32")
@@ -598,7 +598,7 @@ def _single_softmax(cls):
 def test_mixed_float16_overflow_steps_update_weights_like_keras_and_skip_the_logs():
     """Under mixed_float16 the loss scale starts at 2**15 and an early step overflows.
     keras.Model and ours skip the same updates and halve the scale alike (identical weights);
-    ours also leaves those batches out of the logged loss and metrics (deviation 1, issue 14),
+    ours also leaves those batches out of the logged loss and metrics (deviation 1),
     so only an epoch with an overflow logs differently."""
     keras.config.set_dtype_policy("mixed_float16")  # conftest resets it after the test
     rng = np.random.default_rng(0)
@@ -918,7 +918,7 @@ def test_compile_config_keeps_the_features_that_are_on(tmp_path):
     assert loaded.loss_weighting.name == "uw" and loaded.gradient_clipping is not None
 
 
-# ------------------------------------ issue 29: a subclass' constructor arguments are its own
+# ------------------------------------ a subclass' constructor arguments are its own
 
 
 def _constructor_shapes(base):
@@ -1021,7 +1021,7 @@ def test_every_constructor_shape_builds_and_fits_like_keras(shape):
     assert kf.OptimizedModel.__bases__ == (kf.model.OptimizedTrainer, keras.Model)
 
 
-# ----------------------------------- issue 29: loading after Keras' registry has been cleared
+# ----------------------------------- loading after Keras' registry has been cleared
 
 
 @pytest.fixture
@@ -1096,7 +1096,7 @@ def test_classes_serialize_under_their_bare_names_and_old_names_still_load():
     model = kf.OptimizedModel(i, keras.layers.Dense(1)(i))
     assert keras.saving.get_registered_name(type(model)) == "OptimizedModel"
     assert keras.saving.get_registered_name(kf.OptimizedSequential) == "OptimizedSequential"
-    # a file written before issue 29 names the class "keras_fastloop>OptimizedModel"
+    # a file written by an earlier version names the class "keras_fastloop>OptimizedModel"
     old = model.to_json().replace(
         '"registered_name": "OptimizedModel"', '"registered_name": "keras_fastloop>OptimizedModel"'
     )

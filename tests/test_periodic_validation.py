@@ -1,4 +1,4 @@
-"""Tests for keras_fastloop.callbacks.periodic_validation.PeriodicValidation (cases C12, C13)."""
+"""Tests for keras_fastloop.callbacks.periodic_validation.PeriodicValidation: steps are optimizer updates, results reach stock callbacks."""
 
 import functools
 import json
@@ -267,7 +267,7 @@ def test_c12_schedule_without_conversion_restarts_after_10_micro_batches():
     assert rates[10] == pytest.approx(0.01)  # ... yet the schedule already restarted
 
 
-# --- C13: step-gated results reach EarlyStopping / ModelCheckpoint / ReduceLROnPlateau -------
+# --- step-gated results reach EarlyStopping / ModelCheckpoint / ReduceLROnPlateau -------
 
 
 def _c13_callbacks(tmp_path):

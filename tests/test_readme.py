@@ -38,6 +38,7 @@ def test_readme_is_short():
     assert len(README.read_text().splitlines()) <= 250
 
 
+@pytest.mark.slow  # a fresh process runs every block: the slow job
 def test_readme_python_blocks_run(tmp_path):
     blocks = [b for b in python_blocks(README.read_text()) if not b.startswith(NOT_RUN)]
     script = tmp_path / "readme_blocks.py"

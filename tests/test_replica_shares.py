@@ -1,4 +1,4 @@
-"""Replicas with unequal shares of the loss denominator (issue 13, items 4 and 5).
+"""Replicas with unequal shares of the loss denominator (a smaller last batch, unevenly masked tokens).
 
 Each replica's Keras loss divides by its own denominator (samples, real tokens under a mask, or
 the sum of its sample weights); OptimizedModel weights it by `R * D_r / D` (one all-reduce),
@@ -14,7 +14,7 @@ import tensorflow as tf
 
 import keras_fastloop as kf
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # integration: the slow job
 
 BATCH = 8
 SAMPLES = 11  # global batches of 8 and 3; the last one is split 2/1 across 2 replicas

@@ -22,6 +22,8 @@ import sys
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.slow  # integration: the slow job
+
 WORKER = os.path.join(os.path.dirname(__file__), "resume_worker.py")
 EPOCHS = 3
 BATCHES_PER_EPOCH = 12

@@ -17,6 +17,8 @@ import pytest
 
 import keras_fastloop as kf
 
+pytestmark = pytest.mark.slow  # integration: the slow job
+
 
 def _multitask_model():
     inputs = keras.Input((4,))

@@ -37,7 +37,7 @@ def reference(step, initial, target, warmup_steps, first_decay_steps, t_mul, m_m
     return sgdr_reference(step - warmup_steps, target, first_decay_steps, t_mul, m_mul, alpha)
 
 
-# --- C14: the Keras values themselves ----------------------------------------------------
+# --- Keras' own CosineDecay / CosineDecayRestarts values ----------------------------------------------------
 
 
 def test_c14_keras_cosine_decay_with_warmup_values():
@@ -51,7 +51,7 @@ def test_c14_keras_cosine_decay_restarts_values():
     np.testing.assert_allclose(values(schedule, [5, 10, 30]), [0.5, 0.5, 0.25], rtol=1e-6)
 
 
-# --- C14: our schedule agrees where they overlap ------------------------------------------
+# --- our schedule agrees with Keras' where they overlap ------------------------------------------
 
 
 def test_c14_agrees_with_cosine_decay_with_warmup_before_first_restart():
@@ -216,7 +216,7 @@ def test_bad_arguments(kwargs, name):
     ],
 )
 def test_no_warmup_is_keras_bit_for_bit_on_float32_steps_across_restarts(kwargs):
-    """Issue 32: `CosineDecayRestarts(1e-3, ...)` -> ours with the same arguments, no warmup."""
+    """`CosineDecayRestarts(1e-3, ...)` -> ours with the same arguments, no warmup."""
     ours = WarmupCosineDecayRestarts(1e-3, **kwargs)
     keras_schedule = CosineDecayRestarts(1e-3, **kwargs)
     steps = tf.range(0, 2000, dtype=tf.float32)  # many restarts for every case
@@ -251,7 +251,7 @@ def test_warmup_steps_without_target_is_refused():
 
 
 def test_the_old_positional_order_fails_loudly():
-    # (initial, warmup_target, warmup_steps, first_decay_steps) of versions before issue 32
+    # (initial, warmup_target, warmup_steps, first_decay_steps) of earlier versions
     with pytest.raises((ValueError, TypeError)):
         WarmupCosineDecayRestarts(0.0, 1e-3, 10, 100)
     with pytest.raises(ValueError, match="`first_decay_steps` must be .* Received"):

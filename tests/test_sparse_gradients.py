@@ -1,4 +1,4 @@
-"""Embedding gradients (`tf.IndexedSlices` with repeated ids) under clipping (issue 14, item 1).
+"""Embedding gradients (`tf.IndexedSlices` with repeated ids) under clipping.
 
 The model is an `Embedding(3, 1)` (zeros) whose 4 looked-up values are summed by a frozen
 `Dense` of ones, trained with SGD(1.0) on `mse`. With ids `[0, 0, 0, 0]` and target `-3`

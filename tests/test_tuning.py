@@ -934,7 +934,7 @@ def test_step_events_in_batches():
     assert events.reads_optimizer_step([Every()]) and not events.reads_optimizer_step([checkpoint])
 
 
-# -- max_seconds_per_step: a long step never gets the multi-step loop (issue 30) -------------
+# -- max_seconds_per_step: a long step never gets the multi-step loop -------------
 
 
 def test_a_long_first_step_settles_at_the_initial_count_before_any_larger_one():

@@ -10,9 +10,8 @@ from __future__ import annotations
 import warnings
 
 import tensorflow as tf
-from keras import ops
 
-from keras_fastloop._step import micro_batching, objective, user_metrics
+from keras_fastloop._step import batch, micro_batching, objective, user_metrics
 from keras_fastloop._step.results import StepResult
 from keras_fastloop._warnings import FastloopWarning
 
@@ -73,7 +72,7 @@ def full_batch(model, step, x, y, sample_weight, variables):
         task_losses=task_losses,
         weights=weights,
         objective=objective_value,
-        batch_size=batch_size(x) if record is None else record.batch_size,
+        batch_size=batch.batch_size(x) if record is None else record.batch_size,
         update_metrics=update_metrics,
         global_losses=global_losses,
         y_pred=y_pred,
@@ -97,8 +96,3 @@ def connected(step, grads, variables):
         )
     pairs = [(g, v) for g, v in zip(grads, variables) if g is not None]
     return [g for g, _ in pairs], [v for _, v in pairs]
-
-
-def batch_size(x):
-    """The batch's number of samples: axis 0 of the first tensor of `x`."""
-    return ops.shape(next(t for t in tf.nest.flatten(x) if t is not None))[0]

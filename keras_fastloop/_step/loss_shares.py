@@ -38,7 +38,7 @@ import tensorflow as tf
 from keras import ops
 
 from keras_fastloop import _keras_internals as internals
-from keras_fastloop._step import distributed
+from keras_fastloop._step import batch, distributed
 
 DIVIDING_REDUCTIONS = ("sum_over_batch_size", "mean", "mean_with_sample_weight")
 
@@ -57,11 +57,6 @@ class CountProbe(keras.losses.Loss):
 
     def call(self, y_true, y_pred):
         return ops.ones_like(self._inner.call(y_true, y_pred))
-
-
-def divides(term):
-    """Whether the task's loss is divided by a denominator (a dividing reduction)."""
-    return term.loss_fn.reduction in DIVIDING_REDUCTIONS
 
 
 def is_masked(term):
@@ -174,10 +169,6 @@ def global_share(local, global_loss):
     return ops.stop_gradient(global_loss / float(replicas)) + (local - ops.stop_gradient(local))
 
 
-def _batch_size(structure):
-    return tf.shape(next(t for t in tf.nest.flatten(structure) if t is not None))[0]
-
-
 def replica_losses(terms, extra=None):
     """The tasks' losses of one replica, as its shares of the global batch's losses.
 
@@ -194,10 +185,10 @@ def replica_losses(terms, extra=None):
         `ReplicaSync(None, batch_size)`, no collective.
     """
     values = [t.value for t in terms]
-    batch_size = _batch_size(terms[0].y_pred)
+    batch_size = batch.batch_size(terms[0].y_pred)
     if distributed.num_replicas() == 1:
         return values, ReplicaSync(None, batch_size)
-    denominators = [denominator(t, _batch_size(t.y_pred)) for t in terms]
+    denominators = [denominator(t, batch.batch_size(t.y_pred)) for t in terms]
     sync = sync_replicas(denominators, batch_size, values, extra)
     shares = [v * sync.factors[i] for i, v in enumerate(values)]
     globals_ = tf.unstack(sync.global_losses, num=len(terms))

@@ -23,7 +23,7 @@ import tensorflow as tf
 from keras import ops
 
 from keras_fastloop import _keras_internals as internals
-from keras_fastloop._step import loss_shares
+from keras_fastloop._step import batch, loss_shares
 from keras_fastloop._step.objective import forward
 from keras_fastloop._step.results import StepResult, restore_point
 from keras_fastloop._warnings import FastloopWarning
@@ -99,10 +99,6 @@ def _track_batch_size(step, n, k):
     variable = step.largest_batch
     if variable is not None:
         variable.assign(ops.maximum(variable, ops.cast(n, "float32")))
-
-
-def _first_tensor(structure):
-    return next(t for t in tf.nest.flatten(structure) if t is not None)
 
 
 def _slice(structure, start, size):
@@ -323,7 +319,7 @@ def accumulate(model, step, x, y, sample_weight, variables, micro_batch_size):
         step.build_weighting()
     masked, reductions = _detect_masks(model, x, y, sample_weight)
     num_tasks = len(masked)
-    first = _first_tensor(x)
+    first = batch.first_tensor(x)
     n = tf.shape(first, out_type=tf.int32)[0]
     _track_batch_size(step, first.shape[0] if first.shape[0] is not None else n, k)
     weight_totals = [
@@ -363,10 +359,7 @@ def accumulate(model, step, x, y, sample_weight, variables, micro_batch_size):
             losses = [t.value for t in terms]
             with tape.stop_recording():
                 coefficients = _loss_coefficients(weighting, losses)
-            extra = [
-                internals.scale_loss_for_distribution(ops.sum(ops.cast(r, "float32")))
-                for r in model.losses
-            ]
+            extra = batch.regularization_terms(model)
             size_share = ops.cast(size, "float32") / ops.cast(n, "float32")
             reg = ops.sum(ops.stack(extra)) * size_share if extra else tf.constant(0.0)
             objective = ops.sum(coefficients * ops.stack(contributions)) + reg

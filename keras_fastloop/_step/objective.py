@@ -11,8 +11,7 @@ from __future__ import annotations
 import tensorflow as tf
 from keras import ops
 
-from keras_fastloop import _keras_internals as internals
-from keras_fastloop._step import loss_shares
+from keras_fastloop._step import batch, loss_shares
 
 
 class LossRecord:
@@ -54,9 +53,7 @@ def compute_loss(model, step, y, y_pred, sample_weight):
         ValueError: when there is no loss at all (no compiled loss, no `add_loss`).
     """
     terms, record = [], None
-    regularization = [
-        internals.scale_loss_for_distribution(ops.sum(ops.cast(r, "float32"))) for r in model.losses
-    ]
+    regularization = batch.regularization_terms(model)
     task_loss = model._compile_loss
     if task_loss is not None:
         regularization_sum = ops.sum(ops.stack(regularization)) if regularization else None

@@ -60,17 +60,13 @@ class StepState(keras.layers.Layer):
         another number of tasks, holds none or only some of this compile's step state: the
         model's weights load as they would into `keras.Model`, and the state the checkpoint
         lacks keeps its value, with a `FastloopWarning` that names it when the checkpoint had
-        step state of its own (resuming from it is then not exact). Checkpoints of earlier
-        versions (variables stored by index) load by index when the count matches.
+        step state of its own (resuming from it is then not exact).
         """
         keys = list(store.keys())
         if not keys:
             return  # no step state in the checkpoint (keras.Model, or saved uncompiled)
         variables = self.variables
-        if all(key.isdigit() for key in keys) and len(keys) == len(variables):
-            by_name = {v.name: store[str(i)] for i, v in enumerate(variables)}
-        else:
-            by_name = {key: store[key] for key in keys}
+        by_name = {key: store[key] for key in keys}
         kept = []
         for variable in variables:
             value = by_name.get(variable.name)

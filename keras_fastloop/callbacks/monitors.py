@@ -83,11 +83,10 @@ class ThroughputMonitor(keras.callbacks.Callback):
         timer: callable returning seconds as a float; inject a fake timer in tests. Defaults to
             `time.perf_counter` (the name `timer` is the one of `set_recommended_policy`,
             `tuning.recommended_setup` and Python's `timeit`).
-        clock: deprecated alias of `timer` (a `DeprecationWarning`). Defaults to `None`.
 
     Raises:
-        ValueError: if `batch_size` or `log_every_n_steps` is not a positive int or None,
-            `timer` is not callable, or both `timer` and `clock` are given.
+        ValueError: if `batch_size` or `log_every_n_steps` is not a positive int or None, or
+            `timer` is not callable.
 
     Example:
 
@@ -101,29 +100,14 @@ class ThroughputMonitor(keras.callbacks.Callback):
         batch_size: int | None = None,
         log_every_n_steps: int | None = None,
         timer: Callable[[], float] | None = None,
-        *,
-        clock: Callable[[], float] | None = None,
     ) -> None:
         super().__init__()
         batch_size = _validation.check_int("batch_size", batch_size, minimum=1, allow_none=True)
         log_every_n_steps = _validation.check_int(
             "log_every_n_steps", log_every_n_steps, minimum=1, allow_none=True
         )
-        if clock is not None:
-            if timer is not None:
-                raise ValueError(
-                    "Pass `timer` only (`clock` is its deprecated alias). "
-                    f"Received: timer={timer!r}, clock={clock!r}"
-                )
-            warnings.warn(
-                "`ThroughputMonitor(clock=...)` is deprecated; use `timer=...`.",
-                DeprecationWarning,
-                stacklevel=2,
-            )
-            timer, name = clock, "clock"
-        else:
-            timer, name = (time.perf_counter if timer is None else timer), "timer"
-        _validation.check_callable(name, timer)
+        timer = time.perf_counter if timer is None else timer
+        _validation.check_callable("timer", timer)
         self.batch_size = batch_size
         self.log_every_n_steps = log_every_n_steps
         self.timer = timer

@@ -50,82 +50,13 @@ def _to_python(value):
 class PeriodicValidation(keras.callbacks.Callback):
     """Evaluates `validation_data` every N optimizer updates or every N epochs.
 
-    **What "step" means.** A step is an optimizer update, read from
-    `model.optimizer.iterations`. Under the optimizer's own gradient accumulation
-    (`gradient_accumulation_steps=k`) Keras advances that counter only on real updates
-    (it is the micro-batch counter floor-divided by `k`), so "every 10 steps" means every
-    10 updates, i.e. every `10 * k` batches. Weights change only at updates, so every
-    validation sees exactly the weights after the recorded step, never a half-accumulated
-    state.
-
-    **When it runs.** Keras calls batch callbacks once per execution: with
-    `steps_per_execution=s`, every `s` batches. The callback checks the step counter at
-    each of these boundaries and validates at the first boundary at or after each
-    multiple of `every_n_steps` (at most once per boundary, even if the execution
-    crossed several multiples). When `every_n_steps` is a multiple of the updates per
-    execution, validations happen exactly at the multiples. Example: `every_n_steps=10`
-    and `steps_per_execution=4` validate after steps 12, 20, 32, 40, 52, 60, ... Each
-    result is recorded with the step it actually saw. With `every_n_epochs=n` it runs at
-    the end of epochs `n, 2n, ...` (1-based).
-
-    **Where the results go.**
-    - `self.history`: one dict per validation, `{"step": int, "epoch": int (0-based),
-      "val_<metric>": float, ...}`.
-    - The batch logs of the batch after which it validated (seen by callbacks listed
-      after this one in `fit(callbacks=...)`, e.g. the progress bar), and the epoch logs
-      of every epoch in which at least one validation ran (the latest result). Epochs
-      without a validation get no `val_*` keys, as with Keras' `validation_freq`.
-      `History` (which `fit` appends last) therefore records `val_*` per epoch.
-    - Callbacks passed in `callbacks=`: their `on_epoch_end(epoch, logs)` is called
-      after every validation. `epoch` is the 0-based training epoch *during which* the
-      validation ran (Keras' own meaning, so "Epoch 1:" in their messages means the first
-      epoch, and several validations of one epoch share it); `logs` holds the training
-      logs of that moment, the `val_*` results and `"step"`, the optimizer step the
-      validation saw. This is how stock `EarlyStopping` / `ModelCheckpoint` /
-      `ReduceLROnPlateau` / `CSVLogger` act mid-epoch: counts they keep per call
-      (`patience`, `cooldown`) count validations; `start_from_epoch`, `best_epoch`,
-      `stopped_epoch`, the `{epoch}` of a checkpoint file name and `CSVLogger`'s `epoch`
-      column are training epochs; use `{step}` in a `ModelCheckpoint` file name (e.g.
-      `"ckpt-{step}.keras"`) for one file per validation, and read `CSVLogger`'s `step`
-      column for the exact position. `EarlyStopping` can stop during the first epoch
-      (its own `epoch > 0` guard is applied as "not at the first validation" instead).
-      Their `on_train_begin` / `on_train_end` are forwarded too (e.g. for
-      `restore_best_weights`). Do not also pass them to `fit`, or they act twice. A
-      callback passed directly to `fit` instead acts at epoch ends on the latest result.
-
-    **Training metrics are not disturbed.** `model.evaluate()` resets all metrics
-    (keras#16526); the values of `model.metrics_variables` are saved before and restored
-    after each evaluation, so training logs and `History` are identical with and without
-    mid-epoch validation. Evaluation uses only public `keras.Model` API (`evaluate`,
-    `metrics_variables`, `optimizer.iterations`), so it works for subclasses such as
-    `keras_fastloop.OptimizedModel`.
-
-    **Resuming.** Like stock callbacks, it starts afresh at each `fit` (empty history,
-    intervals counted from the optimizer's current step). `get_state()` returns a
-    JSON-compatible dict (last validated step, the history, and `best`/`wait`/... of the
-    driven callbacks); `set_state()` before the next `fit` continues from it instead.
-
-    **Surviving a crash.** With `backup_dir` set to the directory of a
-    `keras.callbacks.BackupAndRestore`, the callback writes its state (every validation
-    with the step it saw, and the driven callbacks' `best`/`wait`/... after each) to
-    `backup_dir/periodic_validation.json` after every validation, atomically (temporary
-    file + `os.replace`). At the start of the next `fit` (first `on_epoch_begin`, so after
-    `BackupAndRestore` restored the weights, whatever the callback order) it keeps the
-    validations up to the restored optimizer step and drops later ones, which the
-    resumed run repeats. The file is thus consistent with any backup, however the two
-    saves interleave with a crash. `BackupAndRestore` deletes the directory, file
-    included, when training completes. Best weights kept by driven callbacks
-    (`restore_best_weights`) are not saved.
+    How it behaves in detail: docs/behaviour.md#periodicvalidation.
 
     Args:
         validation_data: What `model.evaluate` accepts: a `tf.data.Dataset`, a
             `keras.utils.PyDataset`, or a tuple `(x, y)` / `(x, y, sample_weight)` of
-            arrays. Must be finite or used with `validation_steps`. Note: in Keras 3.15
-            `evaluate()` counts one extra, empty step on a `tf.data.Dataset` of unknown
-            cardinality (after `filter`, `from_generator`, ...), which biases the mean;
-            give such a dataset a known cardinality
-            (`dataset.apply(tf.data.experimental.assert_cardinality(n))`) or set
-            `validation_steps`.
+            arrays. Must be finite or used with `validation_steps`; give a dataset of
+            unknown cardinality a known one or `validation_steps` (docs/behaviour.md).
         every_n_steps: Integer > 0 or `None`. Validate every this many optimizer
             updates. Defaults to `None`.
         every_n_epochs: Integer > 0 or `None`. Validate at the end of every this many

@@ -116,21 +116,8 @@ def _check_positive_int(name, value, allow_none=True):
     )
 
 
-def _element_length_func(element_length_func, length_fn, warn=True):
-    """`element_length_func`, or its deprecated alias `length_fn` (warns); checked callable."""
-    if length_fn is not None:
-        if element_length_func is not None:
-            raise ValueError(
-                "Pass `element_length_func` only (`length_fn` is its deprecated alias). "
-                f"Received: element_length_func={element_length_func!r}, length_fn={length_fn!r}"
-            )
-        if warn:
-            warnings.warn(
-                "`length_fn` is deprecated; use `element_length_func` (tf.data's name).",
-                DeprecationWarning,
-                stacklevel=3,
-            )
-        element_length_func = length_fn
+def _element_length_func(element_length_func):
+    """`element_length_func`, checked: a callable or `None`."""
     if element_length_func is not None and not callable(element_length_func):
         _validation.fail("element_length_func", "callable or None", element_length_func)
     return element_length_func
@@ -481,8 +468,6 @@ def plan_buckets(
     num_boundary_samples: int = _DEFAULT_NUM_BOUNDARY_SAMPLES,
     max_length: int | None = None,
     on_overflow: str = "extend",
-    *,
-    length_fn: Callable[[Any], tf.Tensor | int] | None = None,
 ) -> BucketPlan:
     """Resolves bucket boundaries and per-bucket batch sizes for a dataset, without batching.
 
@@ -511,7 +496,7 @@ def plan_buckets(
     _check_on_overflow(on_overflow)
     _check_positive_int("num_boundary_samples", num_boundary_samples, allow_none=False)
     _check_positive_int("max_length", max_length)
-    length_fn = _element_length_func(element_length_func, length_fn)
+    length_fn = _element_length_func(element_length_func)
     if bucket_boundaries is not None:
         bounds = _check_boundaries(bucket_boundaries)
         if num_buckets is not None:
@@ -621,19 +606,10 @@ def bucket_by_length(
     max_length: int | None = None,
     on_overflow: str = "extend",
     prefetch: bool = True,
-    *,
-    length_fn: Callable[[Any], tf.Tensor | int] | None = None,
 ) -> tf.data.Dataset:
     """Groups sequences of similar length into padded batches (`bucket_by_sequence_length`).
 
-    A sequence of length `L` goes to the first bucket whose boundary is `>= L` (boundaries are
-    *inclusive* maxima; see the module docstring for how this maps onto tf.data's exclusive
-    ones). With `pad_to_bucket_boundary=True` every batch is padded to its bucket's boundary, so
-    the number of distinct batch shapes is at most the number of buckets (plus smaller last
-    batches per bucket unless `drop_remainder=True`): a `jit_compile=True` step compiles at most
-    that many times. Nothing is truncated.
-
-    Pipeline: `[shuffle] -> bucket_by_sequence_length -> [prefetch(AUTOTUNE)]`.
+    How it behaves in detail: docs/behaviour.md#bucket_by_length.
 
     Args:
         dataset: `tf.data.Dataset` of unbatched elements: a sequence tensor, an `(x, y)` or
@@ -655,7 +631,6 @@ def bucket_by_length(
         padding_values: scalar, nested structure matching the elements, or None (default:
             0 of each dtype). A scalar is cast to every component's dtype.
         drop_remainder: bool, default False. Drop the last, smaller batch of each bucket.
-            Note that True drops sequences (and their tokens).
         shuffle_buffer: positive int or None (default). Shuffle the unbatched elements with this
             buffer before bucketing (reshuffled every epoch).
         seed: int or None (default). Shuffle seed; the same seed gives the same order.
@@ -666,29 +641,16 @@ def bucket_by_length(
         num_boundary_samples: positive int, default 100000. How many leading elements are read
             at build time to choose boundaries and find the longest sequence. When the dataset
             has at most this many elements, overflow is ruled out at build time.
-        max_length: positive int or None (default). Known maximum length; with
-            `bucket_boundaries` given, it skips the build-time scan.
+        max_length: positive int or None (default). Known maximum length (skips the scan).
         on_overflow: `"extend"` (default) or `"error"`. What to do at build time when the
             longest sequence exceeds the largest boundary: append a bucket ending at that length,
-            or raise `ValueError`. A longer sequence that the scan could not see (infinite or
-            larger-than-`num_boundary_samples` datasets) fails at run time with an
-            `InvalidArgumentError` naming the length and the boundary.
-        length_fn: deprecated alias of `element_length_func` (a `DeprecationWarning`).
+            or raise `ValueError`.
         prefetch: bool, default True. Append `prefetch(tf.data.AUTOTUNE)`.
 
     Returns:
-        A `tf.data.Dataset` of padded batches with the same structure as the elements; every
-        component gains a leading batch axis and its variable axes are padded. When the
-        build-time scan read the whole dataset (at most `num_boundary_samples` elements, and
-        a scan is needed: no `bucket_boundaries` or no `max_length`), its cardinality is the
-        number of batches, `sum_b ceil(n_b / batch_b)` (`floor` with `drop_remainder`), so
-        `fit` knows the epoch length; otherwise it is unknown. The declared length assumes
-        every pass yields the same lengths (a random-length map would fail at run time with
-        tf.data's cardinality error; pass `max_length` and `bucket_boundaries` to skip it).
-        The scan iterates `dataset` once: a `shuffle(..., reshuffle_each_iteration=True)` in
-        it draws one order for the scan, so training starts at its second order. To keep the
-        order of the same pipeline without bucketing, plan on the unshuffled data and apply
-        the plan to the shuffled one (`plan_buckets`, then `apply_bucket_plan`).
+        A `tf.data.Dataset` of padded batches with the same structure as the elements (a
+        leading batch axis; variable axes padded), of known cardinality when the build-time
+        scan read the whole dataset.
 
     Raises:
         ValueError: on invalid arguments (unsorted, empty or non-positive boundaries; both or
@@ -724,7 +686,7 @@ def bucket_by_length(
         bucket_boundaries=bucket_boundaries,
         batch_size=batch_size,
         tokens_per_batch=tokens_per_batch,
-        element_length_func=_element_length_func(element_length_func, length_fn),
+        element_length_func=_element_length_func(element_length_func),
         num_buckets=num_buckets,
         num_boundary_samples=num_boundary_samples,
         max_length=max_length,
@@ -733,7 +695,7 @@ def bucket_by_length(
     return apply_bucket_plan(
         dataset,
         plan,
-        element_length_func=_element_length_func(element_length_func, length_fn, warn=False),
+        element_length_func=_element_length_func(element_length_func),
         pad_to_bucket_boundary=pad_to_bucket_boundary,
         padding_values=padding_values,
         drop_remainder=drop_remainder,
@@ -753,8 +715,6 @@ def apply_bucket_plan(
     shuffle_buffer: int | None = None,
     seed: int | None = None,
     prefetch: bool = True,
-    *,
-    length_fn: Callable[[Any], tf.Tensor | int] | None = None,
 ) -> tf.data.Dataset:
     """Batches a dataset according to a `BucketPlan` (the second half of `bucket_by_length`).
 
@@ -778,7 +738,7 @@ def apply_bucket_plan(
     _check_positive_int("shuffle_buffer", shuffle_buffer)
     _check_not_batched(dataset)
     dataset = _densify_ragged(dataset)
-    length_fn = _element_length_func(element_length_func, length_fn)
+    length_fn = _element_length_func(element_length_func)
     length_fn = length_fn or _default_length_fn(dataset.element_spec)
     bounds = plan.bucket_boundaries
     last = int(bounds[-1])

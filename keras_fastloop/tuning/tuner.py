@@ -65,106 +65,34 @@ class StepsPerExecutionTuner:
     A pure state machine: `propose` says how many steps the next execution should run,
     `observe` receives how many steps the finished execution ran and how long it took.
 
-    The first `warmup_executions` observations after `begin` (each `fit`), and the first
-    `warmup_executions` of each count never observed before, are dropped: they may include
-    tracing. A measurement window closes once it holds at least `window` executions *and*
-    `min_window_seconds` of their wall time, so a window of a fast step spans enough steps to
-    outlast the machine's jitter (while a candidate is paired with the best count, the time
-    bound is on the candidate's executions, the larger ones: the best's window holds as many
-    executions, paired one to one); a window left open when a `fit` ends carries over to the
-    next `fit`. Phases:
-
-    - `"probing"`: each candidate larger than the best count so far (`growth_factor` times
-      it; first `initial * growth_factor` against `initial`) is measured *in strict
-      alternation with the best count* (candidate, best, candidate, best, ..., until both
-      windows are full). The gain is the median of the ratios of each candidate execution's
-      rate to that of the best execution paired with it: a drift of the machine during the
-      probe, or a new `fit` on other data, hits both sides of a pair alike, so it cannot make
-      a larger count look faster or slower than it is. A gain above `1 + min_gain` pays: the
-      cost model `T(k) = a + b * k` (`a` seconds of host work per execution, `b` seconds per
-      step; the alpha-beta model of Hockney, 1994) is fitted to the two paired medians, and
-      the tuner settles on the smallest count whose predicted overhead share `a / T(k)` is at
-      most `overhead_tolerance` (at least the candidate). A gain below `1 - min_gain` is
-      slower. Anything between is a tie: grouping adds no work per step, so a tie is the
-      noise of the measurement, and the candidate becomes the best and the next one is
-      `growth_factor` times it, as after a gain without a cost model (`overhead_tolerance=None`)
-      or with one that cannot extrapolate (no positive `a`). Ties cannot stack into a loss: a
-      tie whose ratio, multiplied by those of the ties since the last count that paid (or the
-      probe's start), falls below `1 - min_gain` is slower too. The next candidate also stays
-      within `max_seconds_per_execution` at the candidate's measured time per step. After
-      `patience` slower candidates in a row, or when no larger candidate fits under the cap
-      (`max_steps` and the horizon set with `set_horizon`) or within
-      `max_seconds_per_execution`, it settles on the best. Observations of other step counts
-      (executions cut short by an event or an epoch end) are not measurements; after
-      `4 * window` of them in a row it settles on the best so far.
-    - `"settled"`: it keeps measuring the chosen count in windows; when `drift_windows`
-      windows in a row differ from the rate it settled with (its first window at the chosen
-      count, when the cost model chose a count not measured) by more than `drift_tolerance`
-      (a fraction), it probes again from `chosen // growth_factor` (at least `initial`). When
-      `set_horizon` raises the cap above a count the cap had limited, the cost model's count is
-      computed again for the new cap (without a fit, the probe resumes from the count).
+    How it behaves in detail: docs/behaviour.md#stepsperexecutiontuner.
 
     Args:
         initial: int >= 1, the first best count (the first candidate is paired with it).
             Defaults to `1`.
         max_steps: int >= initial, the largest count ever proposed. Defaults to `64`.
-        growth_factor: int >= 2, candidate multiplier. Defaults to `4`: the gain of
-            grouping comes from the host's per-execution overhead, so each doubling gains
-            less than the one before (on the bench CNN in bf16 each doubling from 1 to 8
-            gained about 5 %, the size of `min_gain`, and 1 to 4 gained 5-24 % in three sweeps;
-            `docs/performance.md`).
-        min_gain: float in [0, 1), the relative throughput difference that counts: a larger count
-            faster by more pays, one slower by more is slower, one within it ties (and
-            grows). Defaults to `0.05`. On the bench CNN (Zen 4 EPYC) single paired ratios
-            scattered by about 20 % and their median over a window by about 9 %, while 4
-            against 1 gained 5-20 %: growing only on a proven gain settled at 1 in 2 of 10
-            runs (`docs/performance.md`).
+        growth_factor: int >= 2, candidate multiplier. Defaults to `4`.
+        min_gain: float in [0, 1), the relative throughput difference that counts: a larger
+            count faster by more pays, one slower by more is slower, one within it ties (and
+            grows). Defaults to `0.05`.
         window: int >= 1, the fewest executions in a measurement window. Defaults to `3`.
-        min_window_seconds: float >= 0, the least wall time (seconds) of the executions in a
-            measurement window (while pairing, of the candidate's). Defaults to `0.25` (on a
-            6 ms step, about 10 pairs of 4 and 1 steps).
-        warmup_executions: int >= 0, observations dropped after `begin`. Defaults to
-            `1`.
-        patience: int >= 1, slower candidates in a row before settling. Defaults to `2`
-            (one noisy window on a shared machine does not end the search).
+        min_window_seconds: float >= 0, the least wall time (seconds) of a measurement window.
+            Defaults to `0.25`.
+        warmup_executions: int >= 0, observations dropped after `begin`. Defaults to `1`.
+        patience: int >= 1, slower candidates in a row before settling. Defaults to `2`.
         drift_tolerance: float > 0, relative change of the settled rate that counts as drift.
             Defaults to `0.3`.
         drift_windows: int >= 1, drifting windows in a row that trigger re-tuning. Defaults to
             `2`.
         max_seconds_per_execution: float > 0, no candidate whose execution would take longer
-            at the last candidate's measured time per step (keeps progress and interrupts
-            responsive); the cost model's count is capped so that `T(k)` stays within it.
-            Defaults to `1.0`.
+            (at the measured time per step). Defaults to `1.0`.
         overhead_tolerance: float in (0, 1) or `None`, the share of an execution's time the
             per-execution overhead may keep at the count the cost model chooses. Defaults to
-            `0.005`: on the bench CNN in bf16 (Zen 5 EPYC) the fit of 4 against 1 put the
-            overhead at 0.08-0.26 of a step, yet 23 steps per execution ran faster than 4 to 8;
-            at `0.005` the model chose 16-23 (the epoch) in 4 of 5 runs, one paired window
-            after the start instead of three rungs (`docs/performance.md`). `None`: no cost
-            model.
-        max_seconds_per_step: float > 0 or `None`, seconds. The first measured execution
-            of every probe (after the warm-up ones; also after a retune) runs the best count
-            alone; when its time per step exceeds
-            this, the tuner settles on that count at once (reason `"long step"`) and never
-            proposes a larger count: at 50 ms a step, a per-execution overhead of ~1 ms is
-            under 2 % of it (issue 30), and a later `fit` runs Keras' one-step function
-            (`docs/fit_loop.md`). Defaults to `None`: no
-            screening (the probe starts with the first candidate). `compile(
-            steps_per_execution="auto")` passes `0.05` (`AUTO_MAX_SECONDS_PER_STEP`).
-        largest_first: bool. After a screened step under `max_seconds_per_step`, the first
-            candidate is the largest count whose pair with the best fits below the horizon
-            with one step to spare (an epoch's partial last batch stays out of the pair),
-            within `max_steps` and, at the screened time per step, within
-            `max_seconds_per_execution` (never below the ladder's candidate; history entry
-            `("largest", steps, screened steps/s)`). Paired with the best, it pays (the cost
-            model, fitted on two counts far apart, chooses), ties (settles at the cap within
-            `max_seconds_per_execution`, reason `"tie at the largest"`: the ladder would grow
-            there) or is slower (the ladder from the best); cut short `2 * window` times in a
-            row (events the horizon does not know), it gives way to the ladder too. Most of
-            the probe's steps then run at the large count, and one
-            decision replaces the ladder's rungs, each a paired window long. Defaults to
-            `False`; `True` requires `max_seconds_per_step`. `compile(
-            steps_per_execution="auto")` passes `True`.
+            `0.005`; `None`: no cost model.
+        max_seconds_per_step: float > 0 or `None` (default: no screening), seconds: a probe
+            whose first execution's time per step exceeds it settles there (`"long step"`).
+        largest_first: bool, default `False` (requires `max_seconds_per_step`): after a
+            screened step, pair the largest count that fits the horizon with the best first.
 
     Raises:
         ValueError: an argument out of range, or `largest_first=True` without

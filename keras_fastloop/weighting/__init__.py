@@ -12,24 +12,21 @@ from typing import Any
 import keras
 
 from keras_fastloop import _validation
+from keras_fastloop.weighting._gradient import GradientWeighting
+from keras_fastloop.weighting.aligned_mtl import AlignedMTL
 from keras_fastloop.weighting.base import EqualWeighting, LossWeighting, Static
+from keras_fastloop.weighting.cagrad import CAGrad
 from keras_fastloop.weighting.dwa import DWA
 from keras_fastloop.weighting.famo import FAMO
-from keras_fastloop.weighting.gradient_based import (
-    IMTL,
-    IMTLG,
-    MGDA,
-    AlignedMTL,
-    CAGrad,
-    GradientWeighting,
-    GradNorm,
-    NashMTL,
-    PCGrad,
-    UPGrad,
-)
-from keras_fastloop.weighting.loss_based import LossEMA
+from keras_fastloop.weighting.gradnorm import GradNorm
+from keras_fastloop.weighting.imtl import IMTL, IMTLG
+from keras_fastloop.weighting.loss_ema import LossEMA
+from keras_fastloop.weighting.mgda import MGDA
+from keras_fastloop.weighting.nash_mtl import NashMTL
+from keras_fastloop.weighting.pcgrad import PCGrad
 from keras_fastloop.weighting.rlw import RLW
-from keras_fastloop.weighting.uncertainty import UncertaintyWeighting
+from keras_fastloop.weighting.upgrad import UPGrad
+from keras_fastloop.weighting.uw import UncertaintyWeighting
 
 _METHODS = {
     "static": Static,
