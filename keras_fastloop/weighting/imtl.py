@@ -75,7 +75,7 @@ class IMTL(GradientWeighting):
         self.loss_scales = None
 
     def build(self, model, state, task_names, static_weights):
-        from keras_fastloop.weighting.uncertainty import _model_variable
+        from keras_fastloop.weighting.uw import _model_variable
 
         super().build(model, state, task_names, static_weights)
         self.loss_scales = _model_variable(model, "imtl_loss_scales", (len(task_names),), 0.0)
