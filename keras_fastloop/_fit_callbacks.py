@@ -3,6 +3,8 @@
 - `NonFiniteMonitor` and `report_skips`: the `nonfinite` policy's warnings, stops and
   `NonFiniteError` (the traced decision is `keras_fastloop._step.guards`).
 - `BatchSizeMonitor`: `micro_batch_size` larger than every batch, said once.
+- `TensorBoardModelSummary`: the Graphs tab's model summary for our functional and Sequential
+  models (Keras' `TensorBoard` writes it only for the class names `Functional`/`Sequential`).
 - `maybe_symbolic_build`: Keras' build under `MultiWorkerMirroredStrategy`, from the first
   local batch (keras-team/keras#20585).
 """
@@ -14,6 +16,7 @@ import warnings
 import keras
 import tensorflow as tf
 
+from keras_fastloop import _keras_internals as internals
 from keras_fastloop._step import guards, micro_batching, multi_worker
 from keras_fastloop._warnings import FastloopWarning
 
@@ -241,3 +244,34 @@ def maybe_symbolic_build(model, keras_maybe_symbolic_build, iterator=None, data_
     with strategy.scope():
         model._symbolic_build(data_batch=data_batch)
     return None
+
+
+class TensorBoardModelSummary(keras.callbacks.Callback):
+    """Writes the model summary a `keras.callbacks.TensorBoard(write_graph=True)` writes for
+    `keras.Model` and `keras.Sequential` (the Graphs tab), which Keras' callback skips for
+    any other class name, ours included. Subclassed models get none, as in Keras."""
+
+    def __init__(self, tensorboard):
+        super().__init__()
+        self.tensorboard = tensorboard
+
+    def set_model(self, model):
+        super().set_model(model)
+        if type(model).__name__ in ("Functional", "Sequential"):
+            return  # Keras' callback writes it
+        if not isinstance(model, (internals.Functional, keras.Sequential)):
+            return
+        writer = internals.tensorboard_train_writer(self.tensorboard)
+        with writer.as_default():
+            internals.keras_model_summary("keras", model, step=0)
+        writer.flush()  # Keras' callback may drop its writers in a later `set_model`
+
+
+def with_tensorboard_model_summary(model, callbacks):
+    """`fit` extension: a `TensorBoardModelSummary` after each `TensorBoard(write_graph=True)`."""
+    out = []
+    for callback in callbacks:
+        out.append(callback)
+        if isinstance(callback, keras.callbacks.TensorBoard) and callback.write_graph:
+            out.append(TensorBoardModelSummary(callback))
+    return out

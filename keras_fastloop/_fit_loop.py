@@ -53,6 +53,7 @@ _FIT_SIGNATURE = inspect.signature(keras.Model.fit)
 EXTENSIONS = {
     "exact_resume": resume.with_exact_resume,
     "micro_batch_size": fit_callbacks.with_batch_size_monitor,
+    "tensorboard_model_summary": fit_callbacks.with_tensorboard_model_summary,
 }
 
 

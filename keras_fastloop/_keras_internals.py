@@ -9,6 +9,7 @@ import contextlib
 import keras
 from keras.src.backend import get_keras_mask
 from keras.src.backend.tensorflow.trainer import reduce_per_replica
+from keras.src.callbacks.tensorboard import keras_model_summary
 from keras.src.losses.loss import scale_loss_for_distribution, unscale_loss_for_distribution
 from keras.src.models.functional import Functional
 from keras.src.models.model import Model, Trainer, functional_init_arguments
@@ -106,6 +107,11 @@ def profiler_op_stats(xplane_paths):
     return labels, rows
 
 
+def tensorboard_train_writer(callback):
+    """The train summary writer of a `keras.callbacks.TensorBoard` (Keras' `_train_writer`)."""
+    return callback._train_writer
+
+
 def save_as(variant, cls):
     """Keras saves instances of `variant` under `cls`' registered name (and loads `cls`).
 
@@ -131,6 +137,8 @@ def onednn_enabled():
 
 
 __all__ = [
+    "keras_model_summary",
+    "tensorboard_train_writer",
     "Model",
     "save_as",
     "CompileLoss",

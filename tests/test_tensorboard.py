@@ -25,7 +25,11 @@ def _scalars(run_dir):
         for event in tf.compat.v1.train.summary_iterator(path):
             for value in event.summary.value:
                 if value.HasField("tensor"):
-                    number = float(tf.make_ndarray(value.tensor))
+                    array = tf.make_ndarray(value.tensor)
+                    if array.dtype.kind not in "fiu":  # the Graphs tab's model summary (JSON)
+                        tags.setdefault(value.tag, []).append((int(event.step), None))
+                        continue
+                    number = float(array)
                 else:
                     number = float(value.simple_value)
                 tags.setdefault(value.tag, []).append((int(event.step), number))
@@ -134,3 +138,24 @@ def test_auto_keeps_tensorboard_batch_summaries_at_their_steps(tmp_path):
     assert {k for _, k in model._fastloop_auto_spe.executions} == {1}
     assert [s for s, _ in auto] == [s for s, _ in reference] == list(range(2, 33, 2))
     np.testing.assert_allclose([v for _, v in auto], [v for _, v in reference], rtol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["functional", "sequential"])
+def test_the_graphs_tab_gets_the_model_summary_as_for_stock_models(tmp_path, kind):
+    """Keras' TensorBoard writes the `keras` model summary only for the class names
+    `Functional`/`Sequential`; ours get it too, subclassed models (as in Keras) do not."""
+    x, y = np.ones((8, 4), "float32"), np.ones((8, 1), "float32")
+    tags = {}
+    for name, base in (("stock", None), ("ours", kf)):
+        if kind == "sequential":
+            cls = keras.Sequential if base is None else kf.OptimizedSequential
+            model = cls([keras.Input((4,)), keras.layers.Dense(1)])
+        else:
+            inputs = keras.Input((4,))
+            cls = keras.Model if base is None else kf.OptimizedModel
+            model = cls(inputs, keras.layers.Dense(1)(inputs))
+        model.compile("sgd", "mse")
+        run_dir = str(tmp_path / name)
+        model.fit(x, y, verbose=0, callbacks=[keras.callbacks.TensorBoard(run_dir)])
+        tags[name] = set(_scalars(os.path.join(run_dir, "train")))
+    assert "keras" in tags["stock"] and tags["ours"] == tags["stock"]
