@@ -22,7 +22,7 @@ import tensorflow as tf
 from keras import ops
 
 from keras_fastloop import _validation
-from keras_fastloop._step.state import state_variable
+from keras_fastloop._replicas import state_variable
 
 if TYPE_CHECKING:
     from typing_extensions import Self

@@ -19,9 +19,9 @@ import tensorflow as tf
 from keras import ops
 
 from keras_fastloop import _compile_settings as compile_settings
+from keras_fastloop import _replicas, mixed_precision
 from keras_fastloop import clipping as clipping_module
-from keras_fastloop import mixed_precision
-from keras_fastloop._step import distributed, gradients, guards, scaling, update
+from keras_fastloop._step import gradients, guards, scaling, update
 from keras_fastloop._step import micro_batching as micro_batching_module
 from keras_fastloop._step.results import StepMetrics
 from keras_fastloop._step.state import StepState
@@ -144,7 +144,7 @@ class TrainingStep:
         )
         global_losses = None
         if scaling.is_loss_scale_optimizer(optimizer):
-            global_losses = distributed.all_reduce_sum([ops.sum(ops.cast(loss, "float32"))])
+            global_losses = _replicas.all_reduce_sum([ops.sum(ops.cast(loss, "float32"))])
         return self._apply_connected(grads, variables, optimizer, global_losses)
 
     def apply_gradients(self, grads, variables, optimizer=None, loss=None):
@@ -166,7 +166,7 @@ class TrainingStep:
         optimizer = self._optimizer(optimizer)
         global_losses = None
         if scaling.is_loss_scale_optimizer(optimizer) and loss is not None:
-            global_losses = distributed.all_reduce_sum([ops.sum(ops.cast(loss, "float32"))])
+            global_losses = _replicas.all_reduce_sum([ops.sum(ops.cast(loss, "float32"))])
         return self._apply_connected(list(grads), variables, optimizer, global_losses)
 
     # --------------------------------------------------------------------- the one path
@@ -186,7 +186,7 @@ class TrainingStep:
         `[loss, *task losses]` of the global batch or `None`.
         """
         self._reached += 1
-        grads = distributed.all_reduce_sum(grads)
+        grads = _replicas.all_reduce_sum(grads)
         scale = scaling.current_scale(optimizer)
         grads = scaling.unscale(grads, scale)
         unique_rows, grad_norm = clipping_module.deduplicated_norm(grads)

@@ -11,7 +11,8 @@ import tensorflow as tf
 from _helpers import two_replica_strategy
 
 import keras_fastloop as kf
-from keras_fastloop._step import distributed, micro_batching
+from keras_fastloop import _replicas
+from keras_fastloop._step import micro_batching
 
 ATOL = 1e-6
 
@@ -402,7 +403,7 @@ def test_mirrored_strategy_two_replicas_accumulate_per_replica_share():
             result = micro_batching.accumulate(
                 model, model.fastloop_step, xr, yr, None, model.trainable_variables, 3
             )
-            return distributed.all_reduce_sum([*result.grads, result.loss])
+            return _replicas.all_reduce_sum([*result.grads, result.loss])
 
         return strategy.experimental_local_results(strategy.run(replica_fn, args=(xb, yb)))[0]
 

@@ -20,46 +20,11 @@ import threading
 
 import tensorflow as tf
 
+from keras_fastloop._replicas import num_replicas
+
 _PATCH_LOCK = threading.Lock()
 _DEPTH_ATTR = "_fastloop_reduced_depth"
 _HOOK = "_all_reduce_sum_gradients"
-
-
-def num_replicas() -> int:
-    """Number of replicas in sync of the current strategy.
-
-    Returns:
-        An int, 1 outside any strategy.
-
-    Example:
-        >>> num_replicas()
-        1
-    """
-    return tf.distribute.get_strategy().num_replicas_in_sync
-
-
-def all_reduce_sum(grads):
-    """Sum a list of per-replica tensors across replicas (identity with one replica).
-
-    Args:
-        grads: a list of tensors (gradients, losses), one value per replica.
-
-    Returns:
-        A list of tensors, each the sum over all replicas, identical on every replica. One batched
-        all-reduce: the same number Keras' optimizer issues for gradients.
-
-    Raises:
-        RuntimeError: from TensorFlow when called in cross-replica context of a strategy with
-            more than one replica.
-
-    Example:
-        >>> all_reduce_sum([tf.constant(1.0)])  # outside any strategy: unchanged
-        [<tf.Tensor: shape=(), dtype=float32, numpy=1.0>]
-    """
-    ctx = tf.distribute.get_replica_context()
-    if ctx is None or ctx.num_replicas_in_sync == 1:
-        return list(grads)
-    return ctx.all_reduce(tf.distribute.ReduceOp.SUM, list(grads))
 
 
 def _needs_merge_call():

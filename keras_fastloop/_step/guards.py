@@ -32,8 +32,8 @@ import dataclasses
 import tensorflow as tf
 from keras import ops
 
+from keras_fastloop._replicas import state_variable
 from keras_fastloop._step import scaling
-from keras_fastloop._step.state import state_variable
 
 # What the skip report reads (all policies): counts since the last report, and the first
 # skipped step of them, created in `compile()` (`build`) and reset by `report_skips`.

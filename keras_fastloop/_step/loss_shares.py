@@ -38,7 +38,8 @@ import tensorflow as tf
 from keras import ops
 
 from keras_fastloop import _keras_internals as internals
-from keras_fastloop._step import batch, distributed
+from keras_fastloop import _replicas
+from keras_fastloop._step import batch
 
 DIVIDING_REDUCTIONS = ("sum_over_batch_size", "mean", "mean_with_sample_weight")
 
@@ -124,7 +125,7 @@ def sync_replicas(denominators, batch_size, losses=None, extra=None):
         A `ReplicaSync`.
     """
     num_tasks = len(denominators)
-    replicas = distributed.num_replicas()
+    replicas = _replicas.num_replicas()
     if replicas == 1:
         global_losses = None if losses is None else ops.stack(losses)
         return ReplicaSync(tf.ones([num_tasks]), batch_size, global_losses, extra)
@@ -138,7 +139,7 @@ def sync_replicas(denominators, batch_size, losses=None, extra=None):
         parts.append(numerators)
     if extra is not None:
         parts.append(ops.reshape(ops.stop_gradient(ops.cast(extra, "float32")), [1]))
-    (total,) = distributed.all_reduce_sum([ops.concatenate(parts, axis=0)])
+    (total,) = _replicas.all_reduce_sum([ops.concatenate(parts, axis=0)])
     global_d = total[:num_tasks]
     factors = ops.where(
         dividing, float(replicas) * ops.divide_no_nan(local_d, global_d), tf.ones([num_tasks])
@@ -163,7 +164,7 @@ def global_share(local, global_loss):
     logarithm) sees the global losses, while each replica's gradient is its own share's (the
     gradients' all-reduce adds them up to the global gradient).
     """
-    replicas = distributed.num_replicas()
+    replicas = _replicas.num_replicas()
     if replicas == 1:
         return local
     return ops.stop_gradient(global_loss / float(replicas)) + (local - ops.stop_gradient(local))
@@ -186,7 +187,7 @@ def replica_losses(terms, extra=None):
     """
     values = [t.value for t in terms]
     batch_size = batch.batch_size(terms[0].y_pred)
-    if distributed.num_replicas() == 1:
+    if _replicas.num_replicas() == 1:
         return values, ReplicaSync(None, batch_size)
     denominators = [denominator(t, batch.batch_size(t.y_pred)) for t in terms]
     sync = sync_replicas(denominators, batch_size, values, extra)
@@ -203,4 +204,4 @@ def global_losses(result):
     """
     if result.global_losses is not None:
         return result.global_losses
-    return distributed.all_reduce_sum([result.loss] + list(result.task_losses or []))
+    return _replicas.all_reduce_sum([result.loss] + list(result.task_losses or []))

@@ -12,24 +12,8 @@ import warnings
 
 import keras
 
+from keras_fastloop._replicas import state_variable
 from keras_fastloop._warnings import FastloopWarning
-
-
-def state_variable(owner, name, shape=(), value=0, dtype="float32"):
-    """A non-trainable, checkpointed variable of the step's state, identical on every replica.
-
-    `owner` is the layer that tracks it (the model's `StepState`); the value is assigned on
-    every replica from all-reduced inputs, so the first replica's copy is kept
-    (`aggregation="only_first_replica"`).
-    """
-    return owner.add_weight(
-        shape=shape,
-        initializer=keras.initializers.Constant(value),
-        dtype=dtype,
-        trainable=False,
-        name=name,
-        aggregation="only_first_replica",
-    )
 
 
 class StepState(keras.layers.Layer):

@@ -57,7 +57,7 @@ import numpy as np
 import tensorflow as tf
 from keras import ops
 
-from keras_fastloop._step import distributed
+from keras_fastloop import _replicas
 from keras_fastloop.weighting.base import LossWeighting
 
 
@@ -159,9 +159,9 @@ class GradientWeighting(LossWeighting):
                 for grads in per_task
             ]
             flat.append(ops.stack(rows) / scale)
-        flat = distributed.all_reduce_sum(flat)
+        flat = _replicas.all_reduce_sum(flat)
         gram = ops.sum(ops.stack([ops.matmul(f, ops.transpose(f)) for f in flat]), axis=0)
-        global_losses = distributed.all_reduce_sum([ops.cast(loss, "float32") for loss in losses])
+        global_losses = _replicas.all_reduce_sum([ops.cast(loss, "float32") for loss in losses])
         beta = self.task_weights(gram, ops.stack(global_losses))
         self.weights.assign(beta)
         head = self.head_weights()

@@ -31,7 +31,7 @@ import keras
 import tensorflow as tf
 from keras import ops
 
-from keras_fastloop._step.state import state_variable
+from keras_fastloop._replicas import state_variable
 
 _PACKAGE = "keras_fastloop"
 

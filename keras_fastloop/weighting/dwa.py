@@ -6,7 +6,7 @@ import keras
 import tensorflow as tf
 from keras import ops
 
-from keras_fastloop._step.state import state_variable
+from keras_fastloop._replicas import state_variable
 from keras_fastloop.weighting import _utils
 from keras_fastloop.weighting.base import _PACKAGE, LossWeighting
 

@@ -7,7 +7,7 @@ import tensorflow as tf
 from keras import ops
 
 from keras_fastloop import _keras_internals as internals
-from keras_fastloop._step.state import state_variable
+from keras_fastloop._replicas import state_variable
 from keras_fastloop.weighting import _utils
 from keras_fastloop.weighting.base import _PACKAGE, LossWeighting
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from keras_fastloop._step.state import state_variable
+from keras_fastloop._replicas import state_variable
 from keras_fastloop.weighting import _utils
 from keras_fastloop.weighting._gradient import GradientWeighting
 from keras_fastloop.weighting._solvers import (
