@@ -111,7 +111,8 @@ class TrainingStep:
     # ------------------------------------------------------------------ for any train_step
 
     def minimize(self, loss, variables, tape, optimizer=None):
-        """Gradient of `loss`, then `apply_gradients`: the call a custom `train_step` makes.
+        """Gradient of `loss`, then `apply_gradients` with it: the call a custom `train_step`
+        makes.
 
         Replaces `grads = tape.gradient(loss, variables)` and
         `optimizer.apply(grads, variables)` of the Keras guide's step. Under a
@@ -142,10 +143,7 @@ class TrainingStep:
             output_gradients=seed,
             unconnected_gradients=tf.UnconnectedGradients.NONE,
         )
-        global_losses = None
-        if scaling.is_loss_scale_optimizer(optimizer):
-            global_losses = _replicas.all_reduce_sum([ops.sum(ops.cast(loss, "float32"))])
-        return self._apply_connected(grads, variables, optimizer, global_losses)
+        return self.apply_gradients(grads, variables, optimizer, loss)
 
     def apply_gradients(self, grads, variables, optimizer=None, loss=None):
         """The stages after the gradient: sum, unscale, check, clip, apply, record.
@@ -167,17 +165,14 @@ class TrainingStep:
         global_losses = None
         if scaling.is_loss_scale_optimizer(optimizer) and loss is not None:
             global_losses = _replicas.all_reduce_sum([ops.sum(ops.cast(loss, "float32"))])
-        return self._apply_connected(list(grads), variables, optimizer, global_losses)
-
-    # --------------------------------------------------------------------- the one path
-
-    def _apply_connected(self, grads, variables, optimizer, global_losses):
-        grads, variables = gradients.connected(self, grads, list(variables))
+        grads, variables = gradients.connected(self, list(grads), list(variables))
         if not variables:
             return tf.constant(False)
         decision, grad_norm = self.apply(grads, variables, optimizer, global_losses)
         update.record_step_metrics(self, optimizer, decision.applied, grad_norm)
         return decision.applied
+
+    # --------------------------------------------------------------------- the one path
 
     def apply(self, grads, variables, optimizer, global_losses):
         """The stages every step shares: `(Decision, grad_norm)` (internal; traced).
