@@ -369,12 +369,12 @@ class OptimizedTrainer:
     def test_step(self, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         y_pred = objective.forward(self, x, training=False)
-        _, logged, record = objective.loss_terms(
+        _, logged_loss, record = objective.loss_terms(
             self, self.fastloop_step, x, y, y_pred, sample_weight, training=False
         )
         batch_size = batch.batch_size(x) if record is None else record.batch_size
         self._loss_tracker.update_state(
-            internals.unscale_loss_for_distribution(logged), sample_weight=batch_size
+            internals.unscale_loss_for_distribution(logged_loss), sample_weight=batch_size
         )
         if record is not None:
             self._compile_loss.record(record.values)

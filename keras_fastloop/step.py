@@ -178,7 +178,7 @@ class TrainingStep:
         """The stages every step shares: `(Decision, grad_norm)` (internal; traced).
 
         `grads` are the loss-scaled gradients of the connected `variables`; `global_losses`
-        `[loss, *task losses]` of the global batch or `None`.
+        `[logged_loss, *task losses]` of the global batch or `None`.
         """
         self._reached += 1
         grads = _replicas.all_reduce_sum(grads)

@@ -403,7 +403,7 @@ def test_mirrored_strategy_two_replicas_accumulate_per_replica_share():
             result = micro_batching.accumulate(
                 model, model.fastloop_step, xr, yr, None, model.trainable_variables, 3
             )
-            return _replicas.all_reduce_sum([*result.grads, result.loss])
+            return _replicas.all_reduce_sum([*result.grads, result.logged_loss])
 
         return strategy.experimental_local_results(strategy.run(replica_fn, args=(xb, yb)))[0]
 

@@ -41,7 +41,7 @@ def full_batch(model, step, x, y, sample_weight, variables):
     weighting = step.weighting
     with tf.GradientTape(persistent=weighting.requires_task_gradients) as tape:
         y_pred = objective.forward(model, x, training=True)
-        total, logged, record = objective.loss_terms(
+        total, logged_loss, record = objective.loss_terms(
             model, step, x, y, y_pred, sample_weight, training=True
         )
         scaled = model.optimizer.scale_loss(total)
@@ -68,7 +68,7 @@ def full_batch(model, step, x, y, sample_weight, variables):
 
     return StepResult(
         grads=list(grads),
-        loss=logged,
+        logged_loss=logged_loss,
         task_losses=task_losses,
         weights=weights,
         objective=objective_value,

@@ -104,7 +104,7 @@ def decide(step, optimizer, grad_norm, global_losses, grads, variables):
             inf/NaN anywhere makes it non-finite; so does a norm beyond float32's range
             (~1.8e19), which is treated as a divergence too: one check instead of one per
             variable.
-        global_losses: `[loss, *task losses]` of the global batch (`None` when not
+        global_losses: `[logged_loss, *task losses]` of the global batch (`None` when not
             computed). Under loss scaling the policy acts on them, never on a scale overflow;
             without them every non-finite gradient counts as an overflow.
         grads, variables: the unscaled gradients and their variables (to name the culprit).

@@ -197,11 +197,11 @@ def replica_losses(terms, extra=None):
 
 
 def global_losses(result):
-    """`[logged loss, *task losses]` of the global batch, for the step's `StepResult`.
+    """`[logged_loss, *task losses]` of the global batch, for the step's `StepResult`.
 
     Taken from the denominators' all-reduce when the loss already did one (the plain path under
     `tf.distribute`), else summed across replicas here (one all-reduce; none with one replica).
     """
     if result.global_losses is not None:
         return result.global_losses
-    return _replicas.all_reduce_sum([result.loss] + list(result.task_losses or []))
+    return _replicas.all_reduce_sum([result.logged_loss] + list(result.task_losses or []))

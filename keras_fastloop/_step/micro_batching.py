@@ -392,13 +392,13 @@ def accumulate(model, step, x, y, sample_weight, variables, micro_batch_size):
             connected[i] = True
             acc = acc + ops.cast(g, acc.dtype)
         grads.append(acc if connected[i] else None)
-    reported = combined
+    logged_task_loss = combined
     if not step.loss_is_objective:  # `loss` stays what keras.Model would report
         static = ops.convert_to_tensor(task_loss.static_weights, "float32")
-        reported = ops.sum(loss_acc * static)
+        logged_task_loss = ops.sum(loss_acc * static)
     return StepResult(
         grads=grads,
-        loss=reported + reg_acc,
+        logged_loss=logged_task_loss + reg_acc,
         task_losses=losses,
         weights=weights,
         objective=combined,

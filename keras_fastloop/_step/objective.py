@@ -2,7 +2,7 @@
 
 `OptimizedTrainer.compute_loss` (Keras' hook, which users may override) calls `compute_loss`
 here. Besides the scalar to differentiate, it leaves a `LossRecord` on the `TrainingStep` for the
-step that called it: the unweighted task losses, the weights, the logged loss and the global
+step that called it: the unweighted task losses, the weights, the logged loss' task part and the global
 batch's losses, which `loss_terms` hands to the step.
 """
 
@@ -22,16 +22,18 @@ class LossRecord:
             with `reduction=None`).
         objective: what the weighting differentiates (`sum_i w_i L_i` by default).
         weights: float32 `(T,)`, the weights the weighting used.
-        reported: the logged loss' task part (the tasks weighted by the static `loss_weights`).
+        logged_task_loss: the task part of the logged loss (`StepResult.logged_loss`): the
+            tasks weighted by the static `loss_weights`.
         batch_size: int32 scalar, the global batch's number of samples (the `loss` tracker's
             weight).
-        global_losses: `[logged loss, *task losses]` of the global batch when the replicas'
+        global_losses: `[logged_loss, *task losses]` of the global batch when the replicas'
             losses were already all-reduced (`None` otherwise).
     """
 
-    def __init__(self, values, objective, weights, reported, batch_size):
+    def __init__(self, values, objective, weights, logged_task_loss, batch_size):
         self.values = values
-        self.objective, self.weights, self.reported = objective, weights, reported
+        self.objective, self.weights = objective, weights
+        self.logged_task_loss = logged_task_loss
         self.batch_size = batch_size
         self.global_losses = None
 
@@ -89,16 +91,16 @@ def _task_record(model, step, task_terms, regularization_sum):
         objective, weights = _per_sample_objective(values, weighting)
     else:
         objective, weights = weighting.combine(values)
-    reported, per_task = objective, weights
+    logged_task_loss, per_task = objective, weights
     if not step.loss_is_objective:
         per_task = ops.convert_to_tensor(model._compile_loss.static_weights, "float32")
-        reported = ops.sum(ops.stack(values) * per_task)
-    record = LossRecord(values, objective, weights, reported, sync.batch_size)
+        logged_task_loss = ops.sum(ops.stack(values) * per_task)
+    record = LossRecord(values, objective, weights, logged_task_loss, sync.batch_size)
     if sync.global_losses is not None:  # the step's global losses, no second collective
-        logged = ops.sum(sync.global_losses * per_task)
+        logged_loss = ops.sum(sync.global_losses * per_task)
         if sync.global_extra is not None:
-            logged = logged + sync.global_extra
-        record.global_losses = [logged, *tf.unstack(sync.global_losses)]
+            logged_loss = logged_loss + sync.global_extra
+        record.global_losses = [logged_loss, *tf.unstack(sync.global_losses)]
     return record
 
 
@@ -112,7 +114,7 @@ def _per_sample_objective(values, weighting):
 
 
 def loss_terms(model, step, x, y, y_pred, sample_weight, training):
-    """`(total, logged loss, record)` through the model's `compute_loss` (overrides included).
+    """`(total, logged_loss, record)` through the model's `compute_loss` (overrides included).
 
     `record` is the `LossRecord` of the default `compute_loss` (left on `step` by it: the
     hook's return value is Keras' scalar), `None` when an override did not call it (the logged
@@ -126,7 +128,7 @@ def loss_terms(model, step, x, y, y_pred, sample_weight, training):
     record, step.loss_record = step.loss_record, None
     if record is None:
         return total, total, None
-    return total, total + (record.reported - record.objective), record
+    return total, total + (record.logged_task_loss - record.objective), record
 
 
 def forward(model, x, training):

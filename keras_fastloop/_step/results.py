@@ -24,8 +24,9 @@ class StepResult:
     Attributes:
         grads: loss-scaled gradients, one per trainable variable; `None` where the variable
             gets no gradient (it is then left out of the update, as Keras does).
-        loss: float32 scalar, the logged loss (task losses weighted by the static
-            `loss_weights`, plus regularization), per replica (`1 / num_replicas` scaled).
+        logged_loss: float32 scalar, what the `loss` tracker records (task losses weighted by
+            the static `loss_weights`, plus regularization), per replica (`1 / num_replicas`
+            scaled). The step's one name for it (`global_losses[0]` is its global value).
         task_losses: the unweighted per-task losses (`None` when an overridden
             `compute_loss` did not call the default one).
         weights: float32 `(T,)` weights the weighting method used, or `None`.
@@ -38,13 +39,13 @@ class StepResult:
             update is applied).
         undo_metrics: restores the compiled metrics when they were already updated (micro-batches)
             and the update is skipped; `None` when nothing needs undoing.
-        global_losses: `[loss, *task_losses]` of the global batch when already all-reduced
+        global_losses: `[logged_loss, *task_losses]` of the global batch when already all-reduced
             (the plain path under `tf.distribute`, keras_fastloop._step.loss_shares); `None`: the
             step sums the per-replica values itself.
     """
 
     grads: list
-    loss: object
+    logged_loss: object
     task_losses: list | None
     weights: object
     objective: object

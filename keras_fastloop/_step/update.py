@@ -33,7 +33,7 @@ def apply(optimizer, grads, variables, decision, scale):
 def update_weighting(step, decision, global_losses):
     """A loss weighting's state update (`LossWeighting.update`), on applied steps only.
 
-    `global_losses`: `[loss, *task losses]` of the global batch.
+    `global_losses`: `[logged_loss, *task losses]` of the global batch.
     """
     if step.weighting.has_state_update:
         distributed.cond(decision.applied, step.weighting.update, args=(list(global_losses[1:]),))
@@ -89,7 +89,7 @@ def record_metrics(model, step, result, applied):
 
 def _record_losses(model, step, result):
     model._loss_tracker.update_state(
-        internals.unscale_loss_for_distribution(result.loss), sample_weight=result.batch_size
+        internals.unscale_loss_for_distribution(result.logged_loss), sample_weight=result.batch_size
     )
     if result.task_losses is not None:
         model._compile_loss.record(result.task_losses)
