@@ -199,3 +199,25 @@ def test_dataset_is_usable_with_tf_data(data):
     n = sum(int(x.shape[0]) for x, _ in batches)
     assert n == 64
     assert isinstance(batches, tf.data.Dataset)
+
+
+def test_digits_without_scikit_learn_names_the_extra(monkeypatch):
+    import sys
+
+    from keras_fastloop.datasets import load_digits_data
+
+    monkeypatch.setitem(sys.modules, "sklearn.datasets", None)  # as if not installed
+    with pytest.raises(ImportError, match=r"keras-fastloop\[datasets\]"):
+        load_digits_data()
+
+
+def test_the_datasets_extra_brings_scikit_learn():
+    from pathlib import Path
+
+    import tomllib
+
+    extras = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    assert any(r.startswith("scikit-learn") for r in extras["datasets"])
+    assert "keras-fastloop[datasets]" in extras["bench"]

@@ -27,7 +27,7 @@ def load_digits_data(
     Raises:
         ValueError: if `image_size` is not a positive multiple of 8 or
             `validation_fraction` is outside (0, 1).
-        ImportError: if scikit-learn is not installed (`pip install keras-fastloop[bench]`).
+        ImportError: if scikit-learn is not installed (`pip install "keras-fastloop[datasets]"`).
     """
     _validation.check(
         _validation.is_int(image_size) and image_size >= 8 and image_size % 8 == 0,
@@ -41,7 +41,14 @@ def load_digits_data(
             "`validation_fraction` must be in (0, 1). "
             f"Received: validation_fraction={validation_fraction!r}"
         )
-    from sklearn.datasets import load_digits
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError as error:
+        raise ImportError(
+            "`load_digits_data` reads scikit-learn's bundled digits, and scikit-learn is not "
+            'installed. Install it with `pip install "keras-fastloop[datasets]"` '
+            "(or `pip install scikit-learn`)."
+        ) from error
 
     digits = load_digits()
     images = (digits.images / 16.0).astype("float32")
