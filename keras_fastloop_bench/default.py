@@ -424,7 +424,11 @@ def run(
         f"{SEED_CLAIM}\n"
     )
     harness.plot_curves(
-        runs, out_dir / "default.png", "digits CNN: loss vs wall time", target_loss=target_loss
+        runs,
+        out_dir / "default.png",
+        "digits CNN: loss vs wall time",
+        target_loss=target_loss,
+        highlight=[RECOMMENDED],
     )
     payload = {
         "suite": "default",

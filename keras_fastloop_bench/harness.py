@@ -370,7 +370,38 @@ def median_round(runs_of_one, target_loss=None):
     return order[(len(order) - 1) // 2]
 
 
-def plot_curves(runs, path, title, target_loss=None):
+# Row names are long and alike ("keras.Model.fit, recommended policy, steps_per_execution=8"):
+# the plot's labels abbreviate them the same way everywhere.
+_ABBREVIATIONS = (
+    ("keras.Model.fit", "fit"),
+    ("recommended policy", "rec. policy"),
+    ("recommended setup", "rec. setup"),
+    ("steps_per_execution=", "spe="),
+    ("own process", "own proc."),
+)
+
+
+def plot_labels(names, width=40):
+    """Short, distinct labels of `names` for the plot (abbreviated, then cut at `width`).
+
+    Args:
+        names: the contenders' row names.
+        width: int, the longest label in characters. Default 40.
+
+    Returns:
+        list of str, one per name; labels that would coincide after cutting get the full
+        abbreviated name instead.
+    """
+    abbreviated = []
+    for name in names:
+        for long, short in _ABBREVIATIONS:
+            name = name.replace(long, short)
+        abbreviated.append(name)
+    cut = [a if len(a) <= width else a[: width - 1] + "…" for a in abbreviated]
+    return [a if cut.count(c) > 1 else c for a, c in zip(abbreviated, cut)]
+
+
+def plot_curves(runs, path, title, target_loss=None, highlight=()):
     """Loss against wall time (left) and median throughput (right), saved to `path`.
 
     Left: every round of every contender as a faint line, its median round (`median_round`)
@@ -383,6 +414,8 @@ def plot_curves(runs, path, title, target_loss=None):
         path: file name of the PNG.
         title: str, title of the curves.
         target_loss: float or None (default). Drawn when given.
+        highlight: names drawn on top with a thick line and a bold, edged bar (the
+            recommended setup among a dozen alike rows). Default none.
 
     Returns:
         The (closed) `matplotlib.figure.Figure`, for inspection.
@@ -393,6 +426,8 @@ def plot_curves(runs, path, title, target_loss=None):
     import matplotlib.pyplot as plt
 
     names = list(runs)
+    labels = plot_labels(names)
+    highlight = set(highlight)
     fig, (ax, bars) = plt.subplots(
         1, 2, figsize=(12, 4.8), gridspec_kw={"width_ratios": [3, 2]}, layout="constrained"
     )
@@ -405,7 +440,17 @@ def plot_curves(runs, path, title, target_loss=None):
         for i, run in enumerate(rs):
             seconds, losses = zip(*run.curve)
             if i == chosen:
-                ax.plot(seconds, losses, color=color, marker="o", markersize=3, label=name)
+                strong = name in highlight
+                ax.plot(
+                    seconds,
+                    losses,
+                    color=color,
+                    marker="o",
+                    markersize=3,
+                    linewidth=3.0 if strong else 1.5,
+                    zorder=3 if strong else 2,
+                    label=labels[k],
+                )
             else:
                 ax.plot(seconds, losses, color=color, alpha=0.25, linewidth=1)
     if target_loss is not None:
@@ -427,9 +472,16 @@ def plot_curves(runs, path, title, target_loss=None):
 
     throughput = [_median([r.throughput() for r in runs[name]]) for name in names]
     positions = list(range(len(names)))[::-1]  # first contender on top
-    bars.barh(positions, throughput, color=[colors[k % len(colors)] for k in range(len(names))])
-    bars.set_yticks(positions, [name if len(name) <= 40 else name[:39] + "…" for name in names])
+    drawn = bars.barh(
+        positions, throughput, color=[colors[k % len(colors)] for k in range(len(names))]
+    )
+    bars.set_yticks(positions, labels)
     bars.tick_params(axis="y", labelsize=7)
+    for name, patch, tick in zip(names, drawn, bars.get_yticklabels()):
+        if name in highlight:
+            patch.set_edgecolor("black")
+            patch.set_linewidth(1.5)
+            tick.set_fontweight("bold")
     bars.set_xlabel("samples/s (median over rounds, first epoch excluded)")
     bars.set_title("throughput", fontsize=10)
     bars.grid(axis="x", alpha=0.3)

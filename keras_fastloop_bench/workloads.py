@@ -152,7 +152,9 @@ def run_suite(
         + "".join(f"{note}\n\n" for note in notes)
         + f'`"auto"` at the end of each run (rounds in order): {auto}.\n'
     )
-    harness.plot_curves(runs, out_dir / f"{suite}.png", f"{suite}: loss vs wall time", target)
+    harness.plot_curves(
+        runs, out_dir / f"{suite}.png", f"{suite}: loss vs wall time", target, highlight=ours
+    )
     payload = {
         "suite": suite,
         "machine": machine,

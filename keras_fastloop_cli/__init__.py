@@ -4,7 +4,6 @@ Importing a submodule of `keras_fastloop` runs `keras_fastloop/__init__.py`, whi
 TensorFlow and Keras (seconds of start-up and TensorFlow's log lines). The command line lives in
 this separate top-level package so that `keras-fastloop --help`, `--version` and `launch`
 (which only starts worker processes) never import TensorFlow; `bench` imports it when it runs.
-`keras_fastloop.cli` re-exports `main` and `SUITES`.
 """
 
 from __future__ import annotations
@@ -70,6 +69,10 @@ def _bench(args):
     names = list(SUITES) if args.suite == "all" else [args.suite]
     for name in names:
         module = importlib.import_module(f"keras_fastloop_bench.{SUITES[name]}")  # TF from here
+        if name == names[0]:  # every figure below is this CPU's
+            from keras_fastloop_bench.harness import machine_description
+
+            print(f"Machine: {machine_description()}", flush=True)
         t0 = time.perf_counter()
         kwargs = {"quick": args.quick}
         if args.profile and name == "seed-table":

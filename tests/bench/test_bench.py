@@ -220,3 +220,44 @@ def test_run_alternating_rotates_the_order_each_round():
     with pytest.raises(RuntimeError, match="boom"):
         harness.run_alternating({"F": failing}, lambda: [], 1, 1, progress=lambda line: None)
     assert gc.isenabled()
+
+
+def test_plot_labels_tell_the_stock_candidates_apart():
+    from keras_fastloop_bench import harness, stock
+
+    names = [*stock.policy_fit_names(), "OptimizedModel, recommended setup + oneDNN (own process)"]
+    labels = harness.plot_labels(names)
+    assert len(set(labels)) == len(names)
+    assert labels[:3] == ["fit, rec. policy", "fit, rec. policy, spe=8", "fit, rec. policy, spe=32"]
+    assert all(len(label) <= 40 for label in labels)
+
+
+def test_plot_highlights_the_recommended_setup(tmp_path):
+    from keras_fastloop_bench import harness
+
+    runs = {
+        name: [_fake_run(name, [(1.0, 0.5), (2.0, 0.1)]) for _ in range(2)]
+        for name in ("keras.Model.fit, recommended policy", "OptimizedModel, recommended setup")
+    }
+    fig = harness.plot_curves(
+        runs, tmp_path / "p.png", "t", highlight=["OptimizedModel, recommended setup"]
+    )
+    curves, bars = fig.axes
+    widths = [line.get_linewidth() for line in curves.get_lines() if line.get_alpha() is None]
+    assert widths == [1.5, 3.0]
+    weights = [tick.get_fontweight() for tick in bars.get_yticklabels()]
+    assert weights == ["normal", "bold"]  # bars are listed bottom-up: first contender on top
+
+
+def test_bench_prints_the_cpu_before_any_figure(monkeypatch, capsys, tmp_path):
+    import types
+
+    import keras_fastloop_cli as cli
+    from keras_fastloop_bench import harness
+
+    fake = types.SimpleNamespace(run=lambda out_dir, quick: {"markdown": "| figure |"})
+    monkeypatch.setattr(cli.importlib, "import_module", lambda name: fake)
+    cli.main(["bench", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert out.startswith(f"Machine: {harness.machine_description()}\n")
+    assert out.index("Machine:") < out.index("| figure |")
