@@ -65,6 +65,7 @@ def fit_contender(w, model_cls=keras.Model, compile_kwargs=None, train=None, val
             validation_data=val(),
             callbacks=[harness.EpochTimer(run, w.samples)],
             verbose=0,
+            shuffle=False,  # tf.data pipelines: they order their own batches
         )
         if isinstance(model, OptimizedModel) and compile_kwargs:
             if compile_kwargs.get("steps_per_execution") == tuning.AUTO:
