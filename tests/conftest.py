@@ -3,9 +3,7 @@
 import gc
 import os
 
-# 3: also TensorFlow's C++ ERROR lines (cuInit failing on a machine without a GPU, printed by
-# an xdist worker after pytest's last line); Python exceptions are untouched.
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
 import keras  # noqa: E402
