@@ -16,6 +16,7 @@ from keras_fastloop.weighting._gradient import GradientWeighting
 from keras_fastloop.weighting.aligned_mtl import AlignedMTL
 from keras_fastloop.weighting.base import EqualWeighting, LossWeighting, Static
 from keras_fastloop.weighting.cagrad import CAGrad
+from keras_fastloop.weighting.db_mtl import DBMTL
 from keras_fastloop.weighting.dwa import DWA
 from keras_fastloop.weighting.famo import FAMO
 from keras_fastloop.weighting.gls import GLS
@@ -51,6 +52,7 @@ _METHODS = {
     "gls": GLS,
     "rgw": RGW,
     "stch": STCH,
+    "db_mtl": DBMTL,
 }
 
 
@@ -132,6 +134,7 @@ def check_loss_weights(
 METHODS = tuple(sorted(_METHODS))
 
 __all__ = [
+    "DBMTL",
     "DWA",
     "FAMO",
     "GLS",
