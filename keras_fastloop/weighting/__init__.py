@@ -18,6 +18,7 @@ from keras_fastloop.weighting.base import EqualWeighting, LossWeighting, Static
 from keras_fastloop.weighting.cagrad import CAGrad
 from keras_fastloop.weighting.db_mtl import DBMTL
 from keras_fastloop.weighting.dwa import DWA
+from keras_fastloop.weighting.excess_mtl import ExcessMTL
 from keras_fastloop.weighting.famo import FAMO
 from keras_fastloop.weighting.gls import GLS
 from keras_fastloop.weighting.gradnorm import GradNorm
@@ -53,6 +54,7 @@ _METHODS = {
     "rgw": RGW,
     "stch": STCH,
     "db_mtl": DBMTL,
+    "excess_mtl": ExcessMTL,
 }
 
 
@@ -148,6 +150,7 @@ __all__ = [
     "AlignedMTL",
     "CAGrad",
     "EqualWeighting",
+    "ExcessMTL",
     "GradNorm",
     "GradientWeighting",
     "LossEMA",
