@@ -21,6 +21,7 @@ from keras_fastloop.weighting.dwa import DWA
 from keras_fastloop.weighting.excess_mtl import ExcessMTL
 from keras_fastloop.weighting.famo import FAMO
 from keras_fastloop.weighting.gls import GLS
+from keras_fastloop.weighting.graddrop import GradDrop
 from keras_fastloop.weighting.gradnorm import GradNorm
 from keras_fastloop.weighting.imtl import IMTL, IMTLG
 from keras_fastloop.weighting.loss_ema import LossEMA
@@ -55,6 +56,7 @@ _METHODS = {
     "stch": STCH,
     "db_mtl": DBMTL,
     "excess_mtl": ExcessMTL,
+    "graddrop": GradDrop,
 }
 
 
@@ -151,6 +153,7 @@ __all__ = [
     "CAGrad",
     "EqualWeighting",
     "ExcessMTL",
+    "GradDrop",
     "GradNorm",
     "GradientWeighting",
     "LossEMA",
