@@ -4,7 +4,7 @@ import _libmtl_problem as problem
 import keras
 import numpy as np
 import pytest
-from _helpers import two_replica_strategy
+from _helpers import EXPECT_SKIP_WARNINGS, two_replica_strategy
 
 from keras_fastloop import weighting
 
@@ -61,3 +61,21 @@ def test_db_mtl_bad_arguments(kwargs):
 def test_db_mtl_two_replicas_equal_libmtl():
     model, _ = problem.train(_method(), strategy=two_replica_strategy())
     problem.check_weights(model, TRUNK, HEAD_A, HEAD_B)
+
+
+@EXPECT_SKIP_WARNINGS[0]
+def test_db_mtl_skipped_step_leaves_the_averages():
+    x, y, _ = problem.data()
+    model = problem.model()
+    model.compile(keras.optimizers.SGD(0.05), "mse", loss_weighting=_method())
+    first = {k: v[:4] for k, v in y.items()}
+    model.fit(x[:4], first, batch_size=4, verbose=0)
+    method = model.loss_weighting
+    before = [b.numpy() for _, b, _ in method._buffers]
+    bad = x[:4].copy()
+    bad[0, 0] = np.nan
+    model.fit(bad, first, batch_size=4, verbose=0)
+    assert int(model.skipped_steps) == 1
+    for b, (_, current, _) in zip(before, method._buffers):
+        np.testing.assert_array_equal(current.numpy(), b)
+    assert float(method.step.numpy()) == 1.0
