@@ -46,8 +46,8 @@ class ExcessMTL(ElementwiseGradientWeighting):
         >>> model.compile("adam", losses, loss_weighting="excess_mtl")
 
     Reference:
-        He, Zhou, Zhao & Zhang (Yifei He et al.), "Robust Multi-Task Learning with Excess
-        Risks", ICML 2024; LibMTL's `ExcessMTL`.
+        He, Zhou, Zhang, Yun, Xu, Zeng, Chilimbi & Zhao, "Robust Multi-Task Learning with
+        Excess Risks", ICML 2024; LibMTL's `ExcessMTL`.
     """
 
     name = "excess_mtl"

@@ -59,7 +59,7 @@ class STCH(LossWeighting):
         >>> model.compile("adam", losses, loss_weighting=STCH(mu=1.0, warmup_epochs=4))
 
     Reference:
-        Lin, Zhang, Chen, Zhang & Zhang, "Smooth Tchebycheff Scalarization for Multi-Objective
+        Lin, Zhang, Yang, Liu, Wang & Zhang, "Smooth Tchebycheff Scalarization for Multi-Objective
         Optimization", ICML 2024; LibMTL's `STCH`.
     """
 
