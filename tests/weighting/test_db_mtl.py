@@ -79,3 +79,12 @@ def test_db_mtl_skipped_step_leaves_the_averages():
     for b, (_, current, _) in zip(before, method._buffers):
         np.testing.assert_array_equal(current.numpy(), b)
     assert float(method.step.numpy()) == 1.0
+
+
+def test_db_mtl_needs_the_variables_when_built():
+    from keras_fastloop._step.state import StepState
+
+    inputs = keras.Input((2,))
+    model = keras.Model(inputs, keras.layers.Activation("linear")(inputs))
+    with pytest.raises(ValueError, match=r"build the model first .*Received: a model without"):
+        weighting.DBMTL().build(model, StepState(), ["a", "b"], [1.0, 1.0])
