@@ -67,6 +67,11 @@ def version():
 def _bench(args):
     out_dir = Path(args.out)
     names = list(SUITES) if args.suite == "all" else [args.suite]
+    if getattr(args, "methods", None) and "multitask" not in names:
+        raise ValueError(
+            "`--methods` only acts on the multitask suite. "
+            f"Received: --suite={args.suite} --methods={args.methods}"
+        )
     for name in names:
         module = importlib.import_module(f"keras_fastloop_bench.{SUITES[name]}")  # TF from here
         if name == names[0]:  # every figure below is this CPU's
@@ -77,6 +82,8 @@ def _bench(args):
         kwargs = {"quick": args.quick}
         if args.profile and name == "seed-table":
             kwargs["profile"] = args.profile
+        if getattr(args, "methods", None) and name == "multitask":
+            kwargs["methods"] = "all" if args.methods == "all" else tuple(args.methods.split(","))
         result = module.run(out_dir, **kwargs)
         print(result["markdown"])
         print(f"[{name}] done in {time.perf_counter() - t0:.0f} s; report in {out_dir}/")
@@ -105,6 +112,12 @@ def build_parser():
         choices=["cpu", "gpu"],
         default=None,
         help="seed-table suite: cpu (digits ResNet) or gpu (ResNet-50, synthetic)",
+    )
+    bench.add_argument(
+        "--methods",
+        default=None,
+        help="multitask suite: 'all' (every registered weighting method) or comma-separated "
+        "ids (default: a subset of 15 that runs within 10 minutes)",
     )
     launch_parser = sub.add_parser(
         "launch",

@@ -83,3 +83,13 @@ def test_launch_is_a_subcommand_of_the_one_parser(monkeypatch):
     with pytest.raises(SystemExit) as e:
         cli.main(["launch", "--workers", "0", "--", "train.py"])
     assert e.value.code == 2
+
+
+def test_bench_methods_only_for_the_multitask_suite():
+    import keras_fastloop_cli as cli
+
+    args = cli.build_parser().parse_args(["bench", "--suite", "default", "--methods", "all"])
+    with pytest.raises(ValueError, match="only acts on the multitask suite. Received: --suite"):
+        cli._bench(args)
+    args = cli.build_parser().parse_args(["bench", "--suite", "multitask", "--methods", "gls,rgw"])
+    assert args.methods == "gls,rgw"

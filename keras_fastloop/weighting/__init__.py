@@ -16,15 +16,21 @@ from keras_fastloop.weighting._gradient import GradientWeighting
 from keras_fastloop.weighting.aligned_mtl import AlignedMTL
 from keras_fastloop.weighting.base import EqualWeighting, LossWeighting, Static
 from keras_fastloop.weighting.cagrad import CAGrad
+from keras_fastloop.weighting.db_mtl import DBMTL
 from keras_fastloop.weighting.dwa import DWA
+from keras_fastloop.weighting.excess_mtl import ExcessMTL
 from keras_fastloop.weighting.famo import FAMO
+from keras_fastloop.weighting.gls import GLS
+from keras_fastloop.weighting.graddrop import GradDrop
 from keras_fastloop.weighting.gradnorm import GradNorm
 from keras_fastloop.weighting.imtl import IMTL, IMTLG
 from keras_fastloop.weighting.loss_ema import LossEMA
 from keras_fastloop.weighting.mgda import MGDA
 from keras_fastloop.weighting.nash_mtl import NashMTL
 from keras_fastloop.weighting.pcgrad import PCGrad
+from keras_fastloop.weighting.rgw import RGW
 from keras_fastloop.weighting.rlw import RLW
+from keras_fastloop.weighting.stch import STCH
 from keras_fastloop.weighting.upgrad import UPGrad
 from keras_fastloop.weighting.uw import UncertaintyWeighting
 
@@ -45,6 +51,12 @@ _METHODS = {
     "nash_mtl": NashMTL,
     "aligned_mtl": AlignedMTL,
     "upgrad": UPGrad,
+    "gls": GLS,
+    "rgw": RGW,
+    "stch": STCH,
+    "db_mtl": DBMTL,
+    "excess_mtl": ExcessMTL,
+    "graddrop": GradDrop,
 }
 
 
@@ -126,16 +138,22 @@ def check_loss_weights(
 METHODS = tuple(sorted(_METHODS))
 
 __all__ = [
+    "DBMTL",
     "DWA",
     "FAMO",
+    "GLS",
     "IMTL",
     "IMTLG",
     "MGDA",
     "METHODS",
+    "RGW",
     "RLW",
+    "STCH",
     "AlignedMTL",
     "CAGrad",
     "EqualWeighting",
+    "ExcessMTL",
+    "GradDrop",
     "GradNorm",
     "GradientWeighting",
     "LossEMA",

@@ -55,6 +55,17 @@ def test_mean_se_and_paired_test_by_hand():
     assert not multitask.paired_test([1.0])[4]
 
 
+def test_all_methods_come_from_the_registry():
+    from keras_fastloop import weighting
+
+    methods = multitask.all_methods()
+    assert methods[0] == "ew" and set(methods) == set(weighting.METHODS) - {"static"}
+    assert set(multitask.LOSS_BASED + multitask.GRADIENT_BASED) <= set(methods)
+    assert multitask.is_gradient_based("mgda") and not multitask.is_gradient_based("famo")
+    assert all(multitask.is_gradient_based(m) for m in multitask.GRADIENT_BASED)
+    assert not any(multitask.is_gradient_based(m) for m in multitask.LOSS_BASED)
+
+
 def test_quick_run_writes_the_report(tmp_path):
     # Two methods (one of each family besides `ew`) keep the test short; every method trains
     # in tests/weighting/test_weighting.py, and the notebook runs three more (slow job).
@@ -64,8 +75,10 @@ def test_quick_run_writes_the_report(tmp_path):
     saved = json.loads((tmp_path / "multitask.json").read_text())
     assert set(saved["methods"]) == {"ew", "uw", "mgda"}
     assert saved["config"]["seeds"] == [0, 1]
-    with pytest.raises(ValueError, match=r"`methods` must be ids .*Received: methods=\('uww',\)"):
+    with pytest.raises(ValueError, match=r"must be \"all\" or ids .*Received: methods=\('uww',\)"):
         multitask.run(tmp_path, quick=True, methods=("uww",))
+    with pytest.raises(ValueError, match="Received: methods='every'"):
+        multitask.run(tmp_path, quick=True, methods="every")
     with pytest.raises(ValueError, match="Received: seeds=0"):
         multitask.run(tmp_path, quick=True, seeds=0)
     for row in result["methods"].values():
