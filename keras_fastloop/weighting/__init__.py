@@ -17,8 +17,10 @@ from keras_fastloop.weighting.aligned_mtl import AlignedMTL
 from keras_fastloop.weighting.base import EqualWeighting, LossWeighting, Static
 from keras_fastloop.weighting.cagrad import CAGrad
 from keras_fastloop.weighting.dwa import DWA
+from keras_fastloop.weighting.fairgrad import FairGrad
 from keras_fastloop.weighting.famo import FAMO
 from keras_fastloop.weighting.gradnorm import GradNorm
+from keras_fastloop.weighting.gradvac import GradVac
 from keras_fastloop.weighting.imtl import IMTL, IMTLG
 from keras_fastloop.weighting.loss_ema import LossEMA
 from keras_fastloop.weighting.mgda import MGDA
@@ -45,6 +47,8 @@ _METHODS = {
     "nash_mtl": NashMTL,
     "aligned_mtl": AlignedMTL,
     "upgrad": UPGrad,
+    "fairgrad": FairGrad,
+    "gradvac": GradVac,
 }
 
 
@@ -136,7 +140,9 @@ __all__ = [
     "AlignedMTL",
     "CAGrad",
     "EqualWeighting",
+    "FairGrad",
     "GradNorm",
+    "GradVac",
     "GradientWeighting",
     "LossEMA",
     "LossWeighting",

@@ -1,0 +1,85 @@
+"""Per-task gradients for the gradient-based methods whose update is not one `beta` on one Gram
+matrix: GradVac (a Gram matrix per group of variables), MoCo (tracked gradient estimates),
+MoDo and SDMGrad (gradients of three parts of the batch).
+
+Same conventions as `GradientWeighting.gradients` (`keras_fastloop.weighting._gradient`): task
+gradients are taken with `output_gradients=s` (the loss scale), the shared rows are divided by
+`s` and summed across replicas, and the returned gradients are of the *scaled* objective.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+from keras import ops
+
+from keras_fastloop import _replicas
+
+
+def task_gradients(tape, losses, variables, scale):
+    """Per loss, the (loss-scaled) gradients of `variables`: dense tensors, `None` where the
+    loss does not reach a variable."""
+    none = tf.UnconnectedGradients.NONE
+    return [
+        [
+            None if g is None else tf.convert_to_tensor(g)  # IndexedSlices -> dense
+            for g in tape.gradient(
+                loss, variables, output_gradients=scale, unconnected_gradients=none
+            )
+        ]
+        for loss in losses
+    ]
+
+
+def shared_rows(per_task, shared, variables, scale):
+    """Per shared variable, the `(T, size)` float32 matrix of the task gradients, unscaled and
+    summed across replicas (zeros where a task does not reach it)."""
+    flat = []
+    for k in shared:
+        rows = [
+            ops.zeros((int(np.prod(variables[k].shape)),), "float32")
+            if grads[k] is None
+            else ops.reshape(ops.cast(grads[k], "float32"), (-1,))
+            for grads in per_task
+        ]
+        flat.append(ops.stack(rows) / scale)
+    return _replicas.all_reduce_sum(flat)
+
+
+def weighted_sum(per_task, k, weights):
+    """`sum_i weights[i] * per_task[i][k]` over the tasks that reach variable `k` (a list of
+    terms, empty when none does)."""
+    return [
+        ops.cast(weights[i], grads[k].dtype) * grads[k]
+        for i, grads in enumerate(per_task)
+        if grads[k] is not None
+    ]
+
+
+def assemble(num_variables, shared_terms, head_terms, regularization):
+    """The gradient of every variable: its shared or head terms plus its regularization
+    gradient (`None` for a variable nothing reaches).
+
+    Args:
+        num_variables: the number of variables.
+        shared_terms: dict from a shared variable's index to its (scaled) update.
+        head_terms: callable `k -> list of tensors` for the other variables.
+        regularization: the regularization gradients (`tape.gradient` of the objective).
+    """
+    result = []
+    for k in range(num_variables):
+        terms = [shared_terms[k]] if k in shared_terms else head_terms(k)
+        if regularization[k] is not None:
+            terms = [*terms, regularization[k]]
+        result.append(ops.sum(ops.stack(terms), axis=0) if terms else None)
+    return result
+
+
+def regularization_gradients(tape, objective, variables):
+    """The gradients of the step's objective (only regularization for these methods)."""
+    return tape.gradient(objective, variables, unconnected_gradients=tf.UnconnectedGradients.NONE)
+
+
+def loss_scale(scale_loss):
+    """The optimizer's current loss scale as a float32 scalar (1 without loss scaling)."""
+    return ops.cast(scale_loss(ops.ones((), "float32")), "float32")
