@@ -24,6 +24,7 @@ from keras_fastloop.weighting.gradvac import GradVac
 from keras_fastloop.weighting.imtl import IMTL, IMTLG
 from keras_fastloop.weighting.loss_ema import LossEMA
 from keras_fastloop.weighting.mgda import MGDA
+from keras_fastloop.weighting.moco import MoCo
 from keras_fastloop.weighting.nash_mtl import NashMTL
 from keras_fastloop.weighting.pcgrad import PCGrad
 from keras_fastloop.weighting.rlw import RLW
@@ -49,6 +50,7 @@ _METHODS = {
     "upgrad": UPGrad,
     "fairgrad": FairGrad,
     "gradvac": GradVac,
+    "moco": MoCo,
 }
 
 
@@ -146,6 +148,7 @@ __all__ = [
     "GradientWeighting",
     "LossEMA",
     "LossWeighting",
+    "MoCo",
     "NashMTL",
     "PCGrad",
     "Static",

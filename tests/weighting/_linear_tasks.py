@@ -37,6 +37,8 @@ def built(method, num_tasks):
     inputs = keras.Input((3,))
     hidden = keras.layers.Dense(2, name="l1")(inputs)
     model = keras.Model(inputs, keras.layers.Dense(2, name="l2")(hidden))
+    for variable in model.trainable_variables:  # the losses' values are then c(s, t)
+        variable.assign(np.zeros(variable.shape, "float32"))
     method.build(model, StepState(), [f"t{i}" for i in range(num_tasks)], [1.0] * num_tasks)
     heads = [
         keras.Variable(np.zeros(HEAD_SIZE, "float32"), name=f"head{i}") for i in range(num_tasks)
