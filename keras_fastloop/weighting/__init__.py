@@ -25,9 +25,11 @@ from keras_fastloop.weighting.imtl import IMTL, IMTLG
 from keras_fastloop.weighting.loss_ema import LossEMA
 from keras_fastloop.weighting.mgda import MGDA
 from keras_fastloop.weighting.moco import MoCo
+from keras_fastloop.weighting.modo import MoDo
 from keras_fastloop.weighting.nash_mtl import NashMTL
 from keras_fastloop.weighting.pcgrad import PCGrad
 from keras_fastloop.weighting.rlw import RLW
+from keras_fastloop.weighting.sdmgrad import SDMGrad
 from keras_fastloop.weighting.upgrad import UPGrad
 from keras_fastloop.weighting.uw import UncertaintyWeighting
 
@@ -51,6 +53,8 @@ _METHODS = {
     "fairgrad": FairGrad,
     "gradvac": GradVac,
     "moco": MoCo,
+    "modo": MoDo,
+    "sdmgrad": SDMGrad,
 }
 
 
@@ -149,8 +153,10 @@ __all__ = [
     "LossEMA",
     "LossWeighting",
     "MoCo",
+    "MoDo",
     "NashMTL",
     "PCGrad",
+    "SDMGrad",
     "Static",
     "UPGrad",
     "UncertaintyWeighting",

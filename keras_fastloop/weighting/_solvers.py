@@ -1,3 +1,5 @@
+# Over 500 lines on purpose: every method's pure `T x T` solver in one module (as optax's
+# transforms), so that they share the simplex projection and are read and tested side by side.
 """Pure Gram-space solvers of the gradient-based methods (as optax's transforms).
 
 Each takes the tasks' `T x T` Gram matrix (and the method's hyperparameters) and returns the
@@ -545,3 +547,44 @@ def gradvac_weights(grams, targets, order, beta):
 
 
 _gradvac_weights_xla = tf.function(gradvac_weights, jit_compile=True, autograph=False)
+
+
+def modo_weights(cross, weights, gamma, rho):
+    """One MoDo step: `Pi_simplex(lambda - gamma (C lambda + rho lambda))`.
+
+    `C_ij = <g_i^(1), g_j^(2)>` is the cross-Gram matrix of the first two parts' task
+    gradients (an unbiased estimate of `M`'s action when the parts are independent).
+    """
+    v = weights - gamma * (tf.linalg.matvec(cross, weights) + rho * weights)
+    return project_to_simplex(v - tf.reduce_max(v))  # shift-invariant, exact sums in float32
+
+
+def sdmgrad_weights(cross, weights, lamda, niter, learning_rate=5.0, momentum=0.5):
+    """SDMGrad's weights after `niter` projected SGD steps with momentum (LibMTL's inner loop).
+
+    `C_ij = <g_i^(2), g_j^(3)>` is divided by `s^2 + 1e-8` with `s` the mean of
+    `sqrt(max(C_ii, 0))`; each step takes `d = C w + lamda mean_j C_ij`,
+    `b <- momentum b + d` (`b = d` at the first step, as `torch.optim.SGD`),
+    `w <- Pi_simplex(w - learning_rate b)`. The momentum starts anew each call, `w` carries
+    over (the method's state).
+    """
+    diag = tf.maximum(tf.linalg.diag_part(cross), 0.0)
+    scale = tf.reduce_mean(tf.sqrt(diag))
+    c = cross / (scale * scale + 1e-8)
+    mean = tf.reduce_mean(c, axis=1)
+
+    def body(i, w, buffer):
+        d = tf.linalg.matvec(c, w) + lamda * mean
+        buffer = momentum * buffer + d
+        v = w - learning_rate * buffer
+        # The projection is invariant to adding a constant; shifting the largest entry to 0
+        # keeps its float32 sums exact when `C` is huge (a zero mean diagonal divides by 1e-8;
+        # LibMTL projects in float64).
+        return i + 1, project_to_simplex(v - tf.reduce_max(v)), buffer
+
+    _, w, _ = tf.while_loop(lambda i, w, b: i < niter, body, (0, weights, tf.zeros_like(weights)))
+    return w
+
+
+_modo_weights_xla = tf.function(modo_weights, jit_compile=True, autograph=False)
+_sdmgrad_weights_xla = tf.function(sdmgrad_weights, jit_compile=True, autograph=False)

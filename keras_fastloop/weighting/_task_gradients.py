@@ -14,6 +14,7 @@ import tensorflow as tf
 from keras import ops
 
 from keras_fastloop import _replicas
+from keras_fastloop.weighting._gradient import GradientWeighting
 
 
 def task_gradients(tape, losses, variables, scale):
@@ -83,3 +84,53 @@ def regularization_gradients(tape, objective, variables):
 def loss_scale(scale_loss):
     """The optimizer's current loss scale as a float32 scalar (1 without loss scaling)."""
     return ops.cast(scale_loss(ops.ones((), "float32")), "float32")
+
+
+class PartsWeighting(GradientWeighting):
+    """Base of MoDo and SDMGrad: task gradients of the batch's three consecutive parts.
+
+    The step hands `gradients` every task's loss on each part (`part_losses`, see
+    `keras_fastloop._step.objective.part_losses`); the subclass' `part_weights(rows)`
+    returns `beta` and the part whose gradients it weights, from the parts' shared rows.
+    Heads get the mean of the three parts' head gradients (as LibMTL's MoDo).
+    """
+
+    sub_batches = 3
+
+    def part_weights(self, rows):
+        """`(beta, part)` from `rows[p][k]`, the `(T, size)` shared rows of part `p`."""
+        raise NotImplementedError
+
+    def task_weights(self, gram, losses):
+        raise NotImplementedError("PartsWeighting decides its weights in `gradients`.")
+
+    def gradients(self, tape, losses, objective, variables, scale_loss, part_losses=None):
+        if part_losses is None or len(part_losses) != self.sub_batches:
+            raise RuntimeError(
+                f"Loss weighting '{self.name}' needs the tasks' losses on "
+                f"{self.sub_batches} parts of the batch, which OptimizedModel's step passes "
+                f"as `part_losses`. Received: part_losses={part_losses!r}"
+            )
+        variables = list(variables)
+        scale = loss_scale(scale_loss)
+        parts = [task_gradients(tape, part, variables, scale) for part in part_losses]
+        shared = self._shared_indices(parts[0], variables)
+        rows = [shared_rows(part, shared, variables, scale) for part in parts]
+        beta, used = self.part_weights(rows)
+        self.weights.assign(beta)
+        shared_terms = {
+            k: ops.sum(ops.stack(weighted_sum(parts[used], k, beta)), axis=0) for k in shared
+        }
+        mean = ops.full((self.num_tasks,), 1.0 / len(parts), "float32")
+        regularization = regularization_gradients(tape, objective, variables)
+        return assemble(
+            len(variables),
+            shared_terms,
+            lambda k: [term for part in parts for term in weighted_sum(part, k, mean)],
+            regularization,
+        )
+
+
+def cross_gram(rows_a, rows_b):
+    """`C_ij = <a_i, b_j>` summed over the shared variables' rows."""
+    return sum(ops.matmul(a, ops.transpose(b)) for a, b in zip(rows_a, rows_b))

@@ -54,7 +54,9 @@ class GradVac(GradientWeighting):
 
     name = "gradvac"
 
-    def __init__(self, beta: float = 0.5, granularity: str = "model", seed: int | None = None):
+    def __init__(
+        self, beta: float = 0.5, granularity: str = "model", seed: int | None = None
+    ) -> None:
         super().__init__()
         beta = _utils.check_positive(beta, "beta", allow_zero=True)
         if beta > 1.0:

@@ -18,9 +18,15 @@ SIZES = [6, 2, 4, 2]
 HEAD_SIZE = 3
 
 
-def shared_gradient(step, task, part=0, n=14):
-    """The flat gradient of task `task` at step `step` (batch part `part`)."""
+def shared_gradient(step, task, part=0, n=14, spread=None):
+    """The flat gradient of task `task` at step `step` (batch part `part`).
+
+    With `spread`: a gradient common to all tasks plus `spread` times the task's own
+    (nearly aligned tasks).
+    """
     i = np.arange(n)
+    if spread is not None:
+        return shared_gradient(step, 5, part, n) + spread * shared_gradient(step, task, part, n)
     return ((i * i * 5 + i * (3 + 2 * task) + 7 * step + 11 * part + 1) % 13 - 6) / 3.0
 
 
@@ -46,11 +52,11 @@ def built(method, num_tasks):
     return method, list(model.trainable_variables) + heads
 
 
-def _task_losses(variables, num_tasks, step, part):
+def _task_losses(variables, num_tasks, step, part, spread=None):
     shared, heads = variables[:4], variables[4:]
     losses = []
     for t in range(num_tasks):
-        g = shared_gradient(step, t, part)
+        g = shared_gradient(step, t, part, spread=spread)
         total = tf.constant(loss_value(step, t), "float32")
         start = 0
         for v, size in zip(shared, SIZES):
@@ -62,7 +68,7 @@ def _task_losses(variables, num_tasks, step, part):
     return losses
 
 
-def run_step(method, variables, num_tasks, step, parts=1, scale=1.0):
+def run_step(method, variables, num_tasks, step, parts=1, scale=1.0, spread=None):
     """One `gradients` + `update` call on the step's linear losses.
 
     Returns:
@@ -70,8 +76,8 @@ def run_step(method, variables, num_tasks, step, parts=1, scale=1.0):
         the heads' gradients and the weights the method logged.
     """
     with tf.GradientTape(persistent=True) as tape:
-        losses = _task_losses(variables, num_tasks, step, 0)
-        part_losses = [_task_losses(variables, num_tasks, step, p) for p in range(parts)]
+        losses = _task_losses(variables, num_tasks, step, 0, spread)
+        part_losses = [_task_losses(variables, num_tasks, step, p, spread) for p in range(parts)]
         objective = tf.constant(0.0)
     extra = {"part_losses": part_losses} if parts > 1 else {}
     grads = method.gradients(tape, losses, objective, variables, lambda x: x * scale, **extra)
@@ -107,12 +113,14 @@ def two_task_model():
     return OptimizedModel(inputs, {"a": a, "b": b})
 
 
-def fit_and_check(loss_weighting, batch_size=6, epochs=2, **fit_kwargs):
+def fit_and_check(loss_weighting, batch_size=6, epochs=2, **compile_kwargs):
     """Compile with `loss_weighting`, fit a few steps; finite losses, logged weights."""
     x, y = data()
     model = two_task_model()
-    model.compile(keras.optimizers.SGD(0.05), "mse", loss_weighting=loss_weighting)
-    history = model.fit(x, y, batch_size=batch_size, epochs=epochs, verbose=0, **fit_kwargs)
+    model.compile(
+        keras.optimizers.SGD(0.05), "mse", loss_weighting=loss_weighting, **compile_kwargs
+    )
+    history = model.fit(x, y, batch_size=batch_size, epochs=epochs, verbose=0)
     for key in ("loss", "a_loss", "b_loss", "a_weight", "b_weight"):
         assert np.all(np.isfinite(history.history[key])), key
     return model, history.history
