@@ -29,7 +29,8 @@ class MoDo(PartsWeighting):
     committed after applied steps only). Each step of `steps_per_execution` splits its own
     batch. Under `tf.distribute` each replica splits its share of the batch and the part
     gradients are summed across replicas (every replica computes the same `lambda`). Costs
-    `3 T` backward passes. Keras masks on predictions are refused (first step).
+    `3 T` backward passes. Keras masks on predictions are refused (first step). No random
+    numbers: the parts follow the dataset's order (shuffled by `fit` as usual).
 
     Args:
         gamma: positive float, default `1e-3` (LibMTL's `MoDo_gamma`): step size of `lambda`.
@@ -42,7 +43,7 @@ class MoDo(PartsWeighting):
         >>> model.compile("adam", losses, loss_weighting=MoDo(gamma=1e-3))
 
     Reference:
-        Chen, Fernando, Ying, Chen, "Three-Way Trade-Off in Multi-Objective Learning:
+        Chen, Fernando, Ying & Chen, "Three-Way Trade-Off in Multi-Objective Learning:
         Optimization, Generalization and Conflict-Avoidance", NeurIPS 2023.
     """
 

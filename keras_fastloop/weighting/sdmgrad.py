@@ -31,7 +31,8 @@ class SDMGrad(PartsWeighting):
     heads' gradient; see `docs/weighting.md`). `w` lives in step state (`sdmgrad_w`,
     committed after applied steps only). Each step of `steps_per_execution` splits its own
     batch; under `tf.distribute` each replica splits its share and the part gradients are
-    summed across replicas. Costs `3 T` backward passes. Keras masks are refused.
+    summed across replicas. Costs `3 T` backward passes. Keras masks are refused. No random
+    numbers: the parts follow the dataset's order (shuffled by `fit` as usual).
 
     Args:
         lamda: non-negative float, default `0.3` (LibMTL's `SDMGrad_lamda`): the pull
