@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import keras
+import numpy as np
 import tensorflow as tf
 from keras import ops
 
@@ -81,7 +82,7 @@ class MoCo(GradientWeighting):
         self.step = state_variable(state, "moco_step", (), 0, "int64")
         self.estimates = {}
         for n, variable in enumerate(self._given_shared or model.trainable_variables):
-            size = int(ops.prod(variable.shape)) if variable.shape else 1
+            size = int(np.prod(variable.shape))
             self.estimates[id(variable)] = state_variable(state, f"moco_y_{n}", (t, size))
         self._pending = None
 

@@ -75,6 +75,7 @@ def test_trains_and_logs_end_to_end():
     fit_and_check(weighting.FairGrad(alpha=2.0))
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_two_replicas_equal_one():
     two_replicas_equal_one(weighting.FairGrad, two_replica_strategy())

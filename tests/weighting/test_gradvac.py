@@ -103,6 +103,7 @@ def test_save_and_resume_exactly(tmp_path):
     check_save_and_resume(tmp_path, weighting.GradVac(granularity="variable"), ["targets", "step"])
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_two_replicas_equal_one():
     _, two = two_replicas_equal_one(

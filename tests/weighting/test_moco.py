@@ -1,18 +1,20 @@
 """MoCo: reference values from LibMTL's code, state, logs and training."""
 
+import keras
 import numpy as np
 import pytest
 from _helpers import two_replica_strategy
 from _linear_tasks import (
     built,
     check_save_and_resume,
+    data,
     fit_and_check,
     head_gradient,
     run_step,
     two_replicas_equal_one,
 )
 
-from keras_fastloop import weighting
+from keras_fastloop import OptimizedModel, weighting
 
 # LibMTL (github median-research-group/LibMTL, LibMTL/weighting/MoCo.py at the current main)
 # run on the linear losses of `_linear_tasks` (3 tasks, float32), three steps: the lambda it
@@ -81,6 +83,28 @@ def test_trains_and_logs_end_to_end():
     model, history = fit_and_check("moco")
     assert int(model.loss_weighting.step.numpy()) == 6
     np.testing.assert_allclose(np.array(history["a_weight"]) + history["b_weight"], 1, rtol=1e-6)
+
+
+def test_subclassed_model_and_steps_per_execution():
+    """State made when the step is first traced (subclassed model); several steps per call."""
+
+    class TwoHeads(OptimizedModel):
+        def __init__(self):
+            super().__init__()
+            self.trunk = keras.layers.Dense(4, name="trunk")
+            self.a, self.b = keras.layers.Dense(1), keras.layers.Dense(1)
+
+        def call(self, x):
+            h = self.trunk(x)
+            return {"a": self.a(h), "b": self.b(h)}
+
+    x, y = data()
+    model = TwoHeads()
+    model.compile(keras.optimizers.SGD(0.05), "mse", loss_weighting="moco")
+    history = model.fit(x, y, batch_size=6, epochs=2, verbose=0).history
+    assert np.all(np.isfinite(history["a_weight"]))
+    model, _ = fit_and_check("moco", steps_per_execution=2)
+    assert int(model.loss_weighting.step.numpy()) == 6
 
 
 def test_save_and_resume_exactly(tmp_path):

@@ -123,6 +123,7 @@ def test_save_and_resume_exactly(tmp_path):
     check_save_and_resume(tmp_path, weighting.MoDo(gamma=0.1), ["lambd"])
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_two_replicas_hold_the_same_state():
     strategy = two_replica_strategy()
