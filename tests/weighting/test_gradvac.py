@@ -82,7 +82,7 @@ def test_matches_libmtl_over_three_steps(granularity):
     for step in range(3):
         keys = tf.random.stateless_uniform((3, 3), seed=[0, step])
         assert tf.argsort(keys, axis=1).numpy().tolist() == _ORDERS[step]
-        shared, heads, _ = run_step(method, variables, 3, step)
+        shared, heads, _ = run_step(method, variables, 3, step, scale=2.0)
         np.testing.assert_allclose(shared, expected_grads[step], rtol=1e-5, atol=1e-5)
         for t in range(3):  # heads: the plain task gradient
             np.testing.assert_allclose(heads[t], head_gradient(t), rtol=1e-6)
