@@ -30,6 +30,8 @@ class LossRecord:
         part_losses: for a weighting with `sub_batches = k > 1`, `k` lists of the tasks'
             losses on the `k` consecutive parts of the (per-replica) batch (`part_losses`);
             `None` otherwise.
+        replica_batch_size: int32 scalar, the replica's number of samples (with
+            `part_losses`; `None` otherwise).
     """
 
     def __init__(self, values, objective, weights, reported, batch_size):
@@ -37,7 +39,7 @@ class LossRecord:
         self.objective, self.weights, self.reported = objective, weights, reported
         self.batch_size = batch_size
         self.global_losses = None
-        self.part_losses = None
+        self.part_losses = self.replica_batch_size = None
 
 
 def compute_loss(model, step, y, y_pred, sample_weight):
@@ -100,6 +102,7 @@ def _task_record(model, step, task_terms, regularization_sum):
     record = LossRecord(values, objective, weights, reported, sync.batch_size)
     if weighting.sub_batches > 1:
         record.part_losses = part_losses(task_terms, weighting.sub_batches)
+        record.replica_batch_size = batch.batch_size(task_terms[0].y_pred)
     if sync.global_losses is not None:  # the step's global losses, no second collective
         logged = ops.sum(sync.global_losses * per_task)
         if sync.global_extra is not None:

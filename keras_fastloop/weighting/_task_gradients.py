@@ -9,11 +9,16 @@ gradients are taken with `output_gradients=s` (the loss scale), the shared rows 
 
 from __future__ import annotations
 
+import warnings
+
+import keras
 import numpy as np
 import tensorflow as tf
 from keras import ops
 
 from keras_fastloop import _replicas
+from keras_fastloop._replicas import state_variable
+from keras_fastloop._warnings import FastloopWarning
 from keras_fastloop.weighting._gradient import GradientWeighting
 
 
@@ -86,16 +91,51 @@ def loss_scale(scale_loss):
     return ops.cast(scale_loss(ops.ones((), "float32")), "float32")
 
 
+class _ReportWholeBatches(keras.callbacks.Callback):
+    """Warns at an epoch's end when steps used their whole batch for every part."""
+
+    def __init__(self, method):
+        super().__init__()
+        self.method = method
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.method.report_whole_batches()
+
+
 class PartsWeighting(GradientWeighting):
     """Base of MoDo and SDMGrad: task gradients of the batch's three consecutive parts.
 
     The step hands `gradients` every task's loss on each part (`part_losses`, see
     `keras_fastloop._step.objective.part_losses`); the subclass' `part_weights(rows)`
     returns `beta` and the part whose gradients it weights, from the parts' shared rows.
-    Heads get the mean of the three parts' head gradients (as LibMTL's MoDo).
+    Heads get the mean of the three parts' head gradients (as LibMTL's MoDo). Steps whose
+    (first replica's) batch has fewer than 3 samples, where every part is the whole batch,
+    are counted and reported by a `FastloopWarning` at the end of the epoch.
     """
 
     sub_batches = 3
+
+    def build(self, model, state, task_names, static_weights):
+        super().build(model, state, task_names, static_weights)
+        self.whole_batches = state_variable(state, f"{self.name}_whole_batches", (), 0, "int64")
+
+    def callbacks(self):
+        return [_ReportWholeBatches(self)]
+
+    def report_whole_batches(self):
+        """Warn (eagerly) if steps since the last report had batches of fewer than 3 samples."""
+        count = int(self.whole_batches.numpy())
+        if count:
+            self.whole_batches.assign(0)
+            warnings.warn(
+                f"{count} step(s) of '{self.name}' had batches of fewer than "
+                f"{self.sub_batches} samples (per replica): each of its {self.sub_batches} "
+                "parts was the whole batch, so its gradient estimates were not independent. "
+                f"Use a larger batch or drop the last partial batch. Received: "
+                f"loss_weighting='{self.name}'",
+                FastloopWarning,
+                stacklevel=2,
+            )
 
     def part_weights(self, rows):
         """`(beta, part)` from `rows[p][k]`, the `(T, size)` shared rows of part `p`."""
@@ -104,13 +144,18 @@ class PartsWeighting(GradientWeighting):
     def task_weights(self, gram, losses):
         raise NotImplementedError("PartsWeighting decides its weights in `gradients`.")
 
-    def gradients(self, tape, losses, objective, variables, scale_loss, part_losses=None):
+    def gradients(
+        self, tape, losses, objective, variables, scale_loss, part_losses=None, batch_size=None
+    ):
         if part_losses is None or len(part_losses) != self.sub_batches:
             raise RuntimeError(
                 f"Loss weighting '{self.name}' needs the tasks' losses on "
                 f"{self.sub_batches} parts of the batch, which OptimizedModel's step passes "
                 f"as `part_losses`. Received: part_losses={part_losses!r}"
             )
+        if batch_size is not None:
+            whole = ops.cast(ops.less(batch_size, self.sub_batches), "int64")
+            self.whole_batches.assign_add(whole)
         variables = list(variables)
         scale = loss_scale(scale_loss)
         parts = [task_gradients(tape, part, variables, scale) for part in part_losses]

@@ -16,7 +16,8 @@ The step calls, in order, inside one `tf.function`:
    gradients: it assigns them to `weights` inside `gradients` and the step logs
    `read_weights()` taken right after (so the logged weights are this step's). A method that
    sets `sub_batches = k > 1` (MoDo, SDMGrad) also gets `part_losses=`: `k` lists of the
-   tasks' losses on the `k` consecutive parts of the batch, taken in the same tape.
+   tasks' losses on the `k` consecutive parts of the batch, taken in the same tape, and
+   `batch_size=` (the replica's number of samples; under `k` each part is the whole batch).
 4. `update(losses)` after the optimizer applied the update (only on steps that were applied):
    advance the method's state.
 5. `callbacks()`, outside the step: Keras callbacks that `OptimizedModel.fit` adds to every

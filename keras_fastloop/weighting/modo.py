@@ -19,7 +19,8 @@ class MoDo(PartsWeighting):
 
     Algorithm: LibMTL draws three batches per step; here they are the three consecutive
     parts of the batch (samples `[p n // 3, (p + 1) n // 3)`, sizes differing by at most one
-    when 3 does not divide `n`; a batch of fewer than 3 samples is used whole by all three).
+    when 3 does not divide `n`; a batch of fewer than 3 samples is used whole by all three,
+    which a `FastloopWarning` reports at the epoch's end).
     With `G_p` the parts' task gradients of the shared variables,
     `lambda <- Pi_simplex(lambda - gamma (G_1 G_2^T lambda + rho lambda))` (start `1/T`;
     two independent estimates make `G_1 G_2^T` unbiased), then the shared variables get

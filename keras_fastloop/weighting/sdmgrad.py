@@ -19,7 +19,8 @@ class SDMGrad(PartsWeighting):
 
     Algorithm: LibMTL draws three batches per step; here they are the three consecutive
     parts of the batch (samples `[p n // 3, (p + 1) n // 3)`, sizes differing by at most one
-    when 3 does not divide `n`; a batch of fewer than 3 samples is used whole by all three).
+    when 3 does not divide `n`; a batch of fewer than 3 samples is used whole by all three,
+    which a `FastloopWarning` reports at the epoch's end).
     With `G_p` the parts' task gradients of the shared variables, `w` (start `1/T`, kept
     across steps) takes `niter` projected SGD steps (step size 5, momentum 0.5, as LibMTL)
     on `w^T C w / 2 + lamda w^T C 1 / T`, `C = G_2 G_3^T` scaled by its mean diagonal
