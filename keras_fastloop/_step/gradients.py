@@ -49,8 +49,12 @@ def full_batch(model, step, x, y, sample_weight, variables):
         grads = tape.gradient(scaled, variables, unconnected_gradients=tf.UnconnectedGradients.NONE)
         task_losses = weights = objective_value = global_losses = None
     else:
+        # A weighting of several parts of the batch also gets their losses (taken in the tape).
+        parts = {}
+        if record.part_losses is not None:
+            parts = {"part_losses": record.part_losses, "batch_size": record.replica_batch_size}
         grads = weighting.gradients(
-            tape, record.values, scaled, variables, model.optimizer.scale_loss
+            tape, record.values, scaled, variables, model.optimizer.scale_loss, **parts
         )
         weights = record.weights
         if weighting.requires_task_gradients:  # weights decided from this step's gradients

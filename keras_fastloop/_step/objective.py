@@ -28,6 +28,11 @@ class LossRecord:
             weight).
         global_losses: `[logged_loss, *task losses]` of the global batch when the replicas'
             losses were already all-reduced (`None` otherwise).
+        part_losses: for a weighting with `sub_batches = k > 1`, `k` lists of the tasks'
+            losses on the `k` consecutive parts of the (per-replica) batch (`part_losses`);
+            `None` otherwise.
+        replica_batch_size: int32 scalar, the replica's number of samples (with
+            `part_losses`; `None` otherwise).
     """
 
     def __init__(self, values, objective, weights, logged_task_loss, batch_size):
@@ -36,6 +41,7 @@ class LossRecord:
         self.logged_task_loss = logged_task_loss
         self.batch_size = batch_size
         self.global_losses = None
+        self.part_losses = self.replica_batch_size = None
 
 
 def compute_loss(model, step, y, y_pred, sample_weight):
@@ -96,12 +102,64 @@ def _task_record(model, step, task_terms, regularization_sum):
         per_task = ops.convert_to_tensor(model._compile_loss.static_weights, "float32")
         logged_task_loss = ops.sum(ops.stack(values) * per_task)
     record = LossRecord(values, objective, weights, logged_task_loss, sync.batch_size)
+    if weighting.sub_batches > 1:
+        record.part_losses = part_losses(task_terms, weighting.sub_batches)
+        record.replica_batch_size = batch.batch_size(task_terms[0].y_pred)
     if sync.global_losses is not None:  # the step's global losses, no second collective
         logged_loss = ops.sum(sync.global_losses * per_task)
         if sync.global_extra is not None:
             logged_loss = logged_loss + sync.global_extra
         record.global_losses = [logged_loss, *tf.unstack(sync.global_losses)]
     return record
+
+
+def part_losses(terms, parts):
+    """Every task's Keras loss on each of `parts` consecutive parts of the batch.
+
+    Part `p` holds samples `[p n // parts, (p + 1) n // parts)` of the (per-replica) batch of
+    `n` samples (sizes differ by at most one); a batch of fewer than `parts` samples is used
+    whole by every part. Each loss is the task's own loss function on its part's targets,
+    predictions and sample weights (under `tf.distribute` scaled by `1 / R` as Keras scales
+    it), so its gradient flows through the full batch's forward pass.
+
+    Args:
+        terms: the tasks' `TaskTerm`s of the batch.
+        parts: int, the number of parts.
+
+    Returns:
+        `parts` lists of float32 scalars, one per task.
+
+    Raises:
+        ValueError: for a prediction with a Keras mask (not split here).
+    """
+    n = batch.batch_size(terms[0].y_pred)
+    whole = n < parts
+    result = []
+    for p in range(parts):
+        start = tf.where(whole, 0, p * n // parts)
+        end = tf.where(whole, n, (p + 1) * n // parts)
+
+        def cut(t, start=start, end=end):
+            if t is None:
+                return None
+            t = tf.convert_to_tensor(t)
+            return t[start:end] if t.shape.rank else t
+
+        losses = []
+        for term in terms:
+            if loss_shares.is_masked(term):
+                raise ValueError(
+                    "A loss weighting that splits the batch into parts cannot split a "
+                    f"prediction that carries a Keras mask (task '{term.name}'). Received: "
+                    f"sub_batches={parts}"
+                )
+            y_true, y_pred, sample_weight = (
+                tf.nest.map_structure(cut, s) if s is not None else None
+                for s in (term.y_true, term.y_pred, term.sample_weight)
+            )
+            losses.append(ops.cast(term.loss_fn(y_true, y_pred, sample_weight), "float32"))
+        result.append(losses)
+    return result
 
 
 def _per_sample_objective(values, weighting):

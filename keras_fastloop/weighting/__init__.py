@@ -19,17 +19,22 @@ from keras_fastloop.weighting.cagrad import CAGrad
 from keras_fastloop.weighting.db_mtl import DBMTL
 from keras_fastloop.weighting.dwa import DWA
 from keras_fastloop.weighting.excess_mtl import ExcessMTL
+from keras_fastloop.weighting.fairgrad import FairGrad
 from keras_fastloop.weighting.famo import FAMO
 from keras_fastloop.weighting.gls import GLS
 from keras_fastloop.weighting.graddrop import GradDrop
 from keras_fastloop.weighting.gradnorm import GradNorm
+from keras_fastloop.weighting.gradvac import GradVac
 from keras_fastloop.weighting.imtl import IMTL, IMTLG
 from keras_fastloop.weighting.loss_ema import LossEMA
 from keras_fastloop.weighting.mgda import MGDA
+from keras_fastloop.weighting.moco import MoCo
+from keras_fastloop.weighting.modo import MoDo
 from keras_fastloop.weighting.nash_mtl import NashMTL
 from keras_fastloop.weighting.pcgrad import PCGrad
 from keras_fastloop.weighting.rgw import RGW
 from keras_fastloop.weighting.rlw import RLW
+from keras_fastloop.weighting.sdmgrad import SDMGrad
 from keras_fastloop.weighting.stch import STCH
 from keras_fastloop.weighting.upgrad import UPGrad
 from keras_fastloop.weighting.uw import UncertaintyWeighting
@@ -57,6 +62,11 @@ _METHODS = {
     "db_mtl": DBMTL,
     "excess_mtl": ExcessMTL,
     "graddrop": GradDrop,
+    "fairgrad": FairGrad,
+    "gradvac": GradVac,
+    "moco": MoCo,
+    "modo": MoDo,
+    "sdmgrad": SDMGrad,
 }
 
 
@@ -138,28 +148,33 @@ def check_loss_weights(
 METHODS = tuple(sorted(_METHODS))
 
 __all__ = [
-    "DBMTL",
-    "DWA",
-    "FAMO",
-    "GLS",
-    "IMTL",
-    "IMTLG",
-    "MGDA",
-    "METHODS",
-    "RGW",
-    "RLW",
-    "STCH",
     "AlignedMTL",
     "CAGrad",
+    "DBMTL",
+    "DWA",
     "EqualWeighting",
     "ExcessMTL",
+    "FAMO",
+    "FairGrad",
+    "GLS",
     "GradDrop",
     "GradNorm",
+    "GradVac",
     "GradientWeighting",
+    "IMTL",
+    "IMTLG",
     "LossEMA",
     "LossWeighting",
+    "METHODS",
+    "MGDA",
+    "MoCo",
+    "MoDo",
     "NashMTL",
     "PCGrad",
+    "RGW",
+    "RLW",
+    "SDMGrad",
+    "STCH",
     "Static",
     "UPGrad",
     "UncertaintyWeighting",

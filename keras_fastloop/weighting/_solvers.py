@@ -1,3 +1,5 @@
+# Over 500 lines on purpose: every method's pure `T x T` solver in one module (as optax's
+# transforms), so that they share the simplex projection and are read and tested side by side.
 """Pure Gram-space solvers of the gradient-based methods (as optax's transforms).
 
 Each takes the tasks' `T x T` Gram matrix (and the method's hyperparameters) and returns the
@@ -437,3 +439,152 @@ def clip_factor(beta, gram, max_norm):
         return tf.ones((), beta.dtype)
     norm = tf.sqrt(tf.maximum(tf.reduce_sum(beta * tf.linalg.matvec(gram, beta)), 0.0))
     return tf.where(norm > max_norm, max_norm / tf.where(norm > 0.0, norm, 1.0), 1.0)
+
+
+# ------------------------------------------------------------------ GradVac, FairGrad, MoDo, SDMGrad
+
+
+def fairgrad_weights(gram, alpha=1.0, max_iter=50, tolerance=1e-12):
+    """FairGrad's weights: `x > 0` with `M x = x^(-1/alpha)` (element-wise).
+
+    The alpha-fair allocation's optimality condition on the raw Gram matrix `M`
+    (`alpha = 1` is Nash-MTL's equation). It is the stationarity condition of the strictly
+    convex `F(x) = x^T M x / 2 - sum_i h(x_i)` with `h' = x^(-1/alpha)`, so the root is
+    unique when it exists. Solved on `M_n = M / |M|_F` (root `a`) and rescaled:
+    `x = a |M|_F^(-alpha / (1 + alpha))`. Damped Newton steps (`1 / (1 + lambda)` while the
+    Newton decrement `lambda >= 1/4`, at most half of the way to the boundary `a = 0`) from
+    `a_i = c M_n,ii^(-alpha / (1 + alpha))` (exact for orthogonal gradients) with the best
+    scalar `c`, until `lambda^2 < tolerance` or `max_iter` steps. Ones when `M = 0`.
+
+    Args:
+        gram: `(T, T)` Gram matrix (float32 in the step; any float dtype).
+        alpha: positive float, the fairness exponent.
+        max_iter: Newton steps at most.
+        tolerance: stop when the squared Newton decrement is below.
+
+    Returns:
+        `x` of shape `(T,)`.
+    """
+    t = gram.shape[0]
+    dtype = gram.dtype
+    alpha = float(alpha)
+    p = 1.0 / alpha
+    frobenius = tf.sqrt(tf.reduce_sum(tf.square(gram)))
+    degenerate = frobenius <= 0.0
+    m = tf.where(degenerate, tf.eye(t, dtype=dtype), gram / tf.where(degenerate, 1.0, frobenius))
+    d = tf.pow(tf.maximum(tf.linalg.diag_part(m), 1e-30), -alpha / (1.0 + alpha))
+    q = tf.maximum(tf.reduce_sum(d * tf.linalg.matvec(m, d)), 1e-30)
+    c = tf.pow(tf.reduce_sum(tf.pow(d, 1.0 - p)) / q, alpha / (1.0 + alpha))
+
+    def body(i, a, decrement):
+        grad = tf.linalg.matvec(m, a) - tf.pow(a, -p)
+        hessian = m + tf.linalg.diag(p * tf.pow(a, -p - 1.0))
+        delta = -tf.linalg.solve(hessian, grad[:, None])[:, 0]
+        lam2 = tf.maximum(-tf.reduce_sum(grad * delta), 0.0)
+        step = tf.where(lam2 < 0.0625, tf.ones((), dtype), 1.0 / (1.0 + tf.sqrt(lam2)))
+        room = tf.reduce_min(tf.where(delta < 0.0, -a / tf.where(delta < 0.0, delta, -1.0), 2.0))
+        step = tf.minimum(step, 0.5 * room)
+        return i + 1, a + step * delta, lam2
+
+    def cond(i, a, decrement):
+        return tf.logical_and(i < max_iter, decrement >= tolerance)
+
+    _, a, _ = tf.while_loop(cond, body, (0, c * d, tf.constant(1.0, dtype)))
+    x = a * tf.pow(tf.where(degenerate, tf.ones((), dtype), frobenius), -alpha / (1.0 + alpha))
+    return tf.where(degenerate, tf.ones_like(x), x)
+
+
+_fairgrad_weights_xla = tf.function(fairgrad_weights, jit_compile=True, autograph=False)
+
+
+def gradvac_weights(grams, targets, order, beta):
+    """GradVac as coefficients on the original task gradients, one set per group of variables.
+
+    For every task `i` (`c = e_i`, per group `k`) and every other task `j` in `order[i]`:
+    `rho = <g_i^vac, g_j> / (|g_i^vac| |g_j| + 1e-8)` on group `k`; if `rho < phi` (the
+    target `targets[i, j, k]`),
+    `g_i^vac += |g_i^vac| (phi sqrt(1 - rho^2) - rho sqrt(1 - phi^2)) /
+    (|g_j| sqrt(1 - phi^2) + 1e-8) g_j`; then (always) `phi <- (1 - beta) phi + beta rho`.
+    Every vector is a combination of the original gradients, tracked by its coefficients from
+    the group's Gram matrix.
+
+    Args:
+        grams: `(K, T, T)` Gram matrices of the task gradients, one per group.
+        targets: `(T, T, K)` EMA targets `phi` (LibMTL's `rho_T`).
+        order: `(T, T)` int tensor; row `i` is the order in which task `i` visits the tasks
+            (its own index is skipped).
+        beta: float, the EMA rate.
+
+    Returns:
+        `(coefficients, targets)`: `(K, T)` with group `k`'s update
+        `sum_i g_i^vac = sum_m coefficients[k, m] g_m`, and the new targets.
+    """
+    t = grams.shape[1]
+    dtype = grams.dtype
+    eye = tf.eye(t, dtype=dtype)
+    norms = tf.sqrt(tf.maximum(tf.linalg.diag_part(grams), 0.0))  # (K, T): |g_m| per group
+    total = tf.zeros((grams.shape[0], t), dtype)
+    for i in range(t):
+        c = tf.zeros_like(total) + eye[i]
+        for position in range(t):
+            j = order[i, position]
+            column = tf.gather(grams, j, axis=2)  # (K, T): <g_m, g_j>
+            dot = tf.reduce_sum(c * column, axis=1)
+            c_norm = tf.sqrt(tf.maximum(tf.reduce_sum(c * tf.linalg.matvec(grams, c), 1), 0.0))
+            j_norm = tf.gather(norms, j, axis=1)
+            rho = dot / (c_norm * j_norm + 1e-8)
+            phi = tf.gather_nd(targets, tf.stack([i, j]))  # (K,)
+            root_phi = tf.sqrt(tf.maximum(1.0 - phi * phi, 0.0))
+            root_rho = tf.sqrt(tf.maximum(1.0 - rho * rho, 0.0))
+            w = c_norm * (phi * root_rho - rho * root_phi) / (j_norm * root_phi + 1e-8)
+            other = tf.not_equal(j, i)
+            w = tf.where(tf.logical_and(other, rho < phi), w, 0.0)
+            c = c + w[:, None] * tf.gather(eye, j)[None, :]
+            new_phi = tf.where(other, (1.0 - beta) * phi + beta * rho, phi)
+            targets = tf.tensor_scatter_nd_update(targets, tf.stack([i, j])[None], new_phi[None])
+        total = total + c
+    return total, targets
+
+
+_gradvac_weights_xla = tf.function(gradvac_weights, jit_compile=True, autograph=False)
+
+
+def modo_weights(cross, weights, gamma, rho):
+    """One MoDo step: `Pi_simplex(lambda - gamma (C lambda + rho lambda))`.
+
+    `C_ij = <g_i^(1), g_j^(2)>` is the cross-Gram matrix of the first two parts' task
+    gradients (an unbiased estimate of `M`'s action when the parts are independent).
+    """
+    v = weights - gamma * (tf.linalg.matvec(cross, weights) + rho * weights)
+    return project_to_simplex(v - tf.reduce_max(v))  # shift-invariant, exact sums in float32
+
+
+def sdmgrad_weights(cross, weights, lamda, niter, learning_rate=5.0, momentum=0.5):
+    """SDMGrad's weights after `niter` projected SGD steps with momentum (LibMTL's inner loop).
+
+    `C_ij = <g_i^(2), g_j^(3)>` is divided by `s^2 + 1e-8` with `s` the mean of
+    `sqrt(max(C_ii, 0))`; each step takes `d = C w + lamda mean_j C_ij`,
+    `b <- momentum b + d` (`b = d` at the first step, as `torch.optim.SGD`),
+    `w <- Pi_simplex(w - learning_rate b)`. The momentum starts anew each call, `w` carries
+    over (the method's state).
+    """
+    diag = tf.maximum(tf.linalg.diag_part(cross), 0.0)
+    scale = tf.reduce_mean(tf.sqrt(diag))
+    c = cross / (scale * scale + 1e-8)
+    mean = tf.reduce_mean(c, axis=1)
+
+    def body(i, w, buffer):
+        d = tf.linalg.matvec(c, w) + lamda * mean
+        buffer = momentum * buffer + d
+        v = w - learning_rate * buffer
+        # The projection is invariant to adding a constant; shifting the largest entry to 0
+        # keeps its float32 sums exact when `C` is huge (a zero mean diagonal divides by 1e-8;
+        # LibMTL projects in float64).
+        return i + 1, project_to_simplex(v - tf.reduce_max(v)), buffer
+
+    _, w, _ = tf.while_loop(lambda i, w, b: i < niter, body, (0, weights, tf.zeros_like(weights)))
+    return w
+
+
+_modo_weights_xla = tf.function(modo_weights, jit_compile=True, autograph=False)
+_sdmgrad_weights_xla = tf.function(sdmgrad_weights, jit_compile=True, autograph=False)

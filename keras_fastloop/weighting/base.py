@@ -14,7 +14,10 @@ The step calls, in order, inside one `tf.function`:
    gradient-based methods override it and set `requires_task_gradients = True` (the step then
    records a persistent tape). A gradient-based method decides its weights from this step's
    gradients: it assigns them to `weights` inside `gradients` and the step logs
-   `read_weights()` taken right after (so the logged weights are this step's).
+   `read_weights()` taken right after (so the logged weights are this step's). A method that
+   sets `sub_batches = k > 1` (MoDo, SDMGrad) also gets `part_losses=`: `k` lists of the
+   tasks' losses on the `k` consecutive parts of the batch, taken in the same tape, and
+   `batch_size=` (the replica's number of samples; under `k` each part is the whole batch).
 4. `update(losses)` after the optimizer applied the update (only on steps that were applied):
    advance the method's state.
 5. `callbacks()`, outside the step: Keras callbacks that `OptimizedModel.fit` adds to every
@@ -46,6 +49,8 @@ class LossWeighting:
 
     name = "base"
     requires_task_gradients = False
+    # k > 1: `gradients` also gets the tasks' losses on k consecutive parts of the batch.
+    sub_batches = 1
     # Whether the method uses compile(loss_weights=...) (see weighting.check_loss_weights).
     accepts_loss_weights = False
 
