@@ -220,6 +220,20 @@ def exact_remat(model):
         _remat_state["model"] = previous
 
 
+def remat_modes(model):
+    """`(layer name, RematMode)` of every layer of `model` built under a `keras.RematScope`.
+
+    Keras keeps the scope's `RematMode(mode, output_size_threshold, layer_names)` on each
+    operation made inside it, as `_remat_mode` (`None` outside a scope).
+    """
+    found = []
+    for layer in model._flatten_layers(include_self=True):
+        remat_mode = getattr(layer, "_remat_mode", None)
+        if remat_mode is not None and remat_mode.mode is not None:
+            found.append((layer.name, remat_mode))
+    return found
+
+
 def _owner_layer(f):
     from keras.src.layers.layer import Layer
 
@@ -364,6 +378,7 @@ install_remat_hook()
 
 __all__ = [
     "exact_remat",
+    "remat_modes",
     "install_remat_hook",
     "keras_model_summary",
     "tensorboard_train_writer",
