@@ -168,7 +168,7 @@ def check_remat_scopes(model):
             if not validation.is_int(threshold) or threshold < 0:
                 validation.fail(
                     "output_size_threshold",
-                    "a non-negative integer (the `keras.RematScope(mode=\"larger_than\")` "
+                    'a non-negative integer (the `keras.RematScope(mode="larger_than")` '
                     f"layer '{layer_name}' was built under)",
                     threshold,
                 )

@@ -97,9 +97,7 @@ def assert_same_training(reference, remat, atol=0.0):
     for key, values in ref_history.items():
         np.testing.assert_allclose(history[key], values, rtol=0, atol=atol, err_msg=key)
     for a, b in zip(ref_weights, weights):
-        np.testing.assert_allclose(
-            b.astype("float64"), a.astype("float64"), rtol=0, atol=atol
-        )
+        np.testing.assert_allclose(b.astype("float64"), a.astype("float64"), rtol=0, atol=atol)
 
 
 def counted_calls(build, **kwargs):
@@ -172,10 +170,12 @@ def test_every_scope_mode_trains_as_without_remat_under_xla(mode):
 
 
 @pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:Loss-scale overflows only:keras_fastloop.FastloopWarning")
 @pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
 def test_recompute_runs_in_the_forward_autocast_scope(policy):
     """Under a mixed policy the recompute reads float variables as the compute dtype, as the
-    forward pass did (else the matmul gets float32 weights and bfloat16 inputs)."""
+    forward pass did (else the matmul gets float32 weights and bfloat16 inputs).
+    `mixed_float16` also runs the step's loss scaling (one overflow, the same in both)."""
     x, y = data()
     keras.mixed_precision.set_global_policy(policy)
     try:
@@ -205,18 +205,6 @@ def test_full_scope_composes_with_step_options(options):
     atol = 1e-6 if options.get("jit_compile") else 0.0
     ref = train(functional(None), x, y, **options)
     assert_same_training(ref, train(functional("full"), x, y, **options), atol=atol)
-
-
-@pytest.mark.slow
-def test_full_scope_composes_with_loss_scaling():
-    x, y = data()
-    keras.mixed_precision.set_global_policy("mixed_float16")
-    try:
-        ref = train(functional(None), x, y)
-        got = train(functional("full"), x, y)
-    finally:
-        keras.mixed_precision.set_global_policy("float32")
-    assert_same_training(ref, got)
 
 
 @pytest.mark.slow
