@@ -392,6 +392,11 @@ class OptimizedTrainer:
             self._compile_loss.record(record.values)
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
+    def predict_step(self, data):
+        # Keras builds predict's function without `_make_function`: replayed here (keras#21207).
+        with internals.exact_remat(self):
+            return super().predict_step(data)
+
     # --------------------------------------------------------------------------- distribution
 
     def _make_function(self, step_function):

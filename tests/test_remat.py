@@ -161,6 +161,15 @@ def test_optimized_wraps_a_keras_model_built_under_a_scope():
     assert_same_training(ref, train(kf.optimized(functional("full", base=keras.Model)), x, y))
 
 
+def test_evaluate_and_predict_run_under_a_scope_in_graph_mode():
+    x, y = data()
+    plain, remat = functional(None), functional("full")
+    for model in (plain, remat):
+        model.compile("sgd", "mse")
+    np.testing.assert_allclose(remat.evaluate(x, y, verbose=0), plain.evaluate(x, y, verbose=0))
+    np.testing.assert_allclose(remat.predict(x, verbose=0), plain.predict(x, verbose=0))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 def test_every_scope_mode_trains_as_without_remat_under_xla(mode):
