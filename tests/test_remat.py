@@ -161,6 +161,32 @@ def test_optimized_wraps_a_keras_model_built_under_a_scope():
     assert_same_training(ref, train(kf.optimized(functional("full", base=keras.Model)), x, y))
 
 
+def test_optimized_sequential_with_integer_ids_under_full_scope():
+    """An Embedding's only input is integer ids: nothing positional to recompute from, the
+    gradient reaches its table through the recompute's variables."""
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 20, (32, 6))
+    y = rng.normal(size=(32, 1)).astype("float32")
+
+    def build(mode):
+        keras.utils.set_random_seed(1)
+        with scope(mode):
+            return kf.OptimizedSequential(
+                [
+                    keras.Input((6,), dtype="int32"),
+                    keras.layers.Embedding(20, 8),
+                    keras.layers.Dropout(0.3, seed=2),
+                    keras.layers.GlobalAveragePooling1D(),
+                    keras.layers.Dense(1),
+                ]
+            )
+
+    ref = train(build(None), x, y, batch_size=8)
+    got = train(build("full"), x, y, batch_size=8)
+    assert_same_training(ref, got, atol=1e-6)
+    assert np.max(np.abs(got[1][0] - build(None).weights[0].numpy())) > 1e-4  # it trained
+
+
 def test_evaluate_and_predict_run_under_a_scope_in_graph_mode():
     x, y = data()
     plain, remat = functional(None), functional("full")
