@@ -232,8 +232,9 @@ def test_recompute_runs_in_the_forward_autocast_scope(policy):
         {"gradient_clipping": 0.05},
         {"steps_per_execution": 2},
         {"micro_batch_size": 4, "jit_compile": True},
+        {"micro_batch_size": 4, "run_eagerly": True},
     ],
-    ids=["micro_batch", "clipping", "steps_per_execution", "micro_batch_xla"],
+    ids=["micro_batch", "clipping", "steps_per_execution", "micro_batch_xla", "micro_eager"],
 )
 def test_full_scope_composes_with_step_options(options):
     x, y = data()
