@@ -18,6 +18,7 @@ import keras
 import tensorflow as tf
 
 from keras_fastloop import _keras_internals as internals
+from keras_fastloop import _validation as validation
 from keras_fastloop import clipping as clipping_module
 from keras_fastloop import tuning
 from keras_fastloop import weighting as weighting_module
@@ -151,6 +152,37 @@ class CompileSettings:
         )
 
 
+def check_remat_scopes(model):
+    """The `keras.RematScope` arguments the model's layers were built under, checked at compile.
+
+    Keras checks `mode` when the scope is made but not `output_size_threshold` or
+    `layer_names`, which would fail (or act on nothing) deep inside the first step.
+
+    Raises:
+        ValueError: `output_size_threshold` not a non-negative integer (`"larger_than"`), or
+            `layer_names` not a list of strings (`"list_of_layers"`).
+    """
+    for layer_name, remat_mode in internals.remat_modes(model):
+        if remat_mode.mode == "larger_than":
+            threshold = remat_mode.output_size_threshold
+            if not validation.is_int(threshold) or threshold < 0:
+                validation.fail(
+                    "output_size_threshold",
+                    'a non-negative integer (the `keras.RematScope(mode="larger_than")` '
+                    f"layer '{layer_name}' was built under)",
+                    threshold,
+                )
+        elif remat_mode.mode == "list_of_layers":
+            names = remat_mode.layer_names
+            if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+                validation.fail(
+                    "layer_names",
+                    "a list of layer names (strings) (the `keras.RematScope(mode="
+                    f"\"list_of_layers\")` layer '{layer_name}' was built under)",
+                    names,
+                )
+
+
 def validate_compile_arguments(
     model,
     *,
@@ -187,6 +219,7 @@ def validate_compile_arguments(
         ValueError, TypeError: as listed in `OptimizedModel.compile`; nothing on the model
             is changed.
     """
+    check_remat_scopes(model)
     clipper = clipping_module.get(gradient_clipping)
     weighting = weighting_module.get(loss_weighting) or weighting_module.Static()
     weighting_module.check_loss_weights(weighting, loss_weights)

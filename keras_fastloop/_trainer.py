@@ -45,6 +45,18 @@ from keras_fastloop._step import (
 )
 
 
+def _replayed(step_function):
+    """`step_function` run with Keras' rematerialization replayed exactly (keras#21207)."""
+
+    @functools.wraps(step_function)
+    def replayed(*args, **kwargs):
+        model = getattr(step_function, "__self__", None)
+        with internals.exact_remat(model):
+            return step_function(*args, **kwargs)
+
+    return replayed
+
+
 def _watched(train_step):
     """`train_step` that says, once, when it never reaches the step's stages."""
 
@@ -380,11 +392,16 @@ class OptimizedTrainer:
             self._compile_loss.record(record.values)
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
+    def predict_step(self, data):
+        # Keras builds predict's function without `_make_function`: replayed here (keras#21207).
+        with internals.exact_remat(self):
+            return super().predict_step(data)
+
     # --------------------------------------------------------------------------- distribution
 
     def _make_function(self, step_function):
         # Step outputs survive MultiWorkerMirroredStrategy's reduction (keras#20585).
-        return multi_worker.make_function(self, super()._make_function, step_function)
+        return multi_worker.make_function(self, super()._make_function, _replayed(step_function))
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
         # fit's epoch iterator is captured here (fit_loop); multi-worker builds (keras#20585).

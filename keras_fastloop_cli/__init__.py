@@ -25,6 +25,7 @@ SUITES = {
     "multitask": "multitask",
     "bucketing": "bucketing",
     "micro-batching": "micro_batching",
+    "memory": "memory",
     "distributed": "distributed",
     "seed-table": "seed_table",
     "resnet": "resnet",

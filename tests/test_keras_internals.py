@@ -7,6 +7,8 @@ import inspect
 import os
 
 import keras
+import numpy as np
+import pytest
 import tensorflow as tf
 
 # ------------------------------------------------------------- keras_fastloop/_step/distributed.py
@@ -227,3 +229,99 @@ def test_onednn_switch_is_readable_and_follows_the_environment_variable():
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
     )
     assert out.stdout.strip().splitlines()[-1] == str(not here)
+
+
+# ------------------------------------------ keras_fastloop/_keras_internals.py (rematerialization)
+
+
+def test_every_keras_remat_goes_through_backend_core_remat():
+    """`RematScope` (Operation/Layer.rematerialized_call) and `keras.remat` both call
+    `keras.src.backend.common.remat.remat`, which calls `backend.core.remat(f)` at call time:
+    the one function `install_remat_hook` replaces (TensorFlow's: `tf.recompute_grad`)."""
+    from keras.src import backend
+    from keras.src.backend.common import remat
+    from keras.src.backend.tensorflow import core
+    from keras.src.layers.layer import Layer
+    from keras.src.ops.operation import Operation
+
+    from keras_fastloop import _keras_internals as internals
+
+    assert keras.remat is remat.remat
+    assert "backend.core.remat(f)" in inspect.getsource(remat.remat)
+    assert backend.core is core
+    assert core.remat is internals._keras_remat_hook
+    assert "tf.recompute_grad(f)" in inspect.getsource(internals._stock_core_remat)
+    for cls in (Operation, Layer):
+        assert "remat.remat(" in inspect.getsource(cls.rematerialized_call)
+    source = inspect.getsource(Operation.__call__)
+    assert "self.rematerialized_call(" in source and "symbolic_call" in source
+
+
+def test_remat_mode_is_kept_on_each_layer_built_in_a_scope():
+    from keras_fastloop import _keras_internals as internals
+
+    with keras.RematScope(mode="larger_than", output_size_threshold=7, layer_names=["a"]):
+        layer = keras.layers.Dense(2, name="d")
+    outside = keras.layers.Dense(2)
+    assert layer._remat_mode == ("larger_than", 7, ["a"])
+    assert layer._remat_mode._fields == ("mode", "output_size_threshold", "layer_names")
+    assert outside._remat_mode is None
+    model = keras.Sequential([keras.Input((3,)), layer, outside])
+    assert internals.remat_modes(model) == [("d", layer._remat_mode)]
+
+
+def test_call_context_autocast_scope_and_stateless_scope_are_where_the_replay_reads_them():
+    """The recompute restores Keras' thread-local `current_call_ctx` (the `training` flag a
+    sublayer inherits) and `autocast_scope`, and maps variables by `id` in a `StatelessScope`."""
+    from keras.src.backend.common import global_state
+    from keras.src.backend.common.stateless_scope import StatelessScope
+    from keras.src.backend.common.symbolic_scope import SymbolicScope, in_symbolic_scope
+    from keras.src.backend.common.variables import AutocastScope, get_autocast_scope
+    from keras.src.layers.layer import Layer
+
+    assert '"current_call_ctx"' in inspect.getsource(Layer._get_call_context)
+    with AutocastScope("bfloat16") as _:
+        assert global_state.get_global_attribute("autocast_scope") is get_autocast_scope()
+        assert get_autocast_scope().dtype == "bfloat16"
+    variable = keras.Variable(np.ones(2, "float32"))
+    scope = StatelessScope(initialize_variables=False)
+    scope.state_mapping[id(variable)] = tf.constant([5.0, 6.0])
+    with scope:
+        np.testing.assert_array_equal(np.asarray(variable.value), [5.0, 6.0])
+        variable.assign([7.0, 8.0])
+    np.testing.assert_array_equal(variable.numpy(), [1.0, 1.0])
+    with SymbolicScope():
+        assert in_symbolic_scope()
+    assert not in_symbolic_scope()
+
+
+def test_seed_generator_state_is_a_layer_variable_whose_mapped_value_replays_a_draw():
+    """Dropout draws from its `SeedGenerator`'s state (one of the layer's non-trainable
+    variables); mapped to an earlier value in a `StatelessScope`, it draws the same mask and
+    the advance is not applied."""
+    from keras.src.backend.common.stateless_scope import StatelessScope
+
+    layer = keras.layers.Dropout(0.5, seed=1)
+    state = layer._seed_generators[0].state
+    assert any(v is state for v in layer.non_trainable_variables)
+    x = tf.ones((4, 8))
+    before = tf.convert_to_tensor(state.value)
+    first = layer(x, training=True)
+    advanced = state.numpy()
+    with StatelessScope(state_mapping=[(state, before)]):
+        again = layer(x, training=True)
+    np.testing.assert_array_equal(first.numpy(), again.numpy())
+    np.testing.assert_array_equal(state.numpy(), advanced)
+
+
+def test_stock_keras_model_fit_under_a_remat_scope_fails_in_graph_mode():
+    """keras#21207: Keras passes `training=` to `tf.recompute_grad`, which takes keyword
+    arguments only eagerly. When this test fails, Keras fixed it: update the README's line."""
+    with keras.RematScope(mode="full"):
+        inputs = keras.Input((4,))
+        outputs = keras.layers.Dense(1)(keras.layers.Dropout(0.5)(inputs))
+    model = keras.Model(inputs, outputs)
+    model.compile("sgd", "mse")
+    x = np.ones((8, 4), "float32")
+    with pytest.raises(ValueError, match="keywords arguments only when eager execution"):
+        model.fit(x, x[:, :1], batch_size=4, epochs=1, verbose=0)
