@@ -83,6 +83,8 @@ def _train_loop_per_worker(config):
     model, history = _build_and_fit(strategy, kf.OptimizedModel, [ReportCheckpointCallback()])
     result = _summary(model, history)
     result["keras_fastloop"] = os.path.dirname(kf.__file__)
+    result["keras"] = keras.__version__
+    result["TF_USE_LEGACY_KERAS"] = os.environ.get("TF_USE_LEGACY_KERAS")
     result["local_batches"] = [
         sum(int(part.shape[0]) for part in strategy.experimental_local_results(x))
         for x, _ in strategy.experimental_distribute_dataset(_dataset())
@@ -135,12 +137,16 @@ def runs(tmp_path_factory):
     return workers, single, result
 
 
-def test_workers_import_this_checkout(runs):
+def test_workers_import_this_checkout_and_keras_3(runs):
     import keras_fastloop as kf
 
     workers, _, _ = runs
     for worker in workers:
         assert worker["keras_fastloop"] == os.path.dirname(kf.__file__)
+        # Ray's TensorFlow backend sets TF_USE_LEGACY_KERAS=1, which selects Keras 2 for
+        # `tf.keras` only; `import keras` is still Keras 3
+        assert worker["TF_USE_LEGACY_KERAS"] == "1"
+        assert worker["keras"].startswith("3.")
 
 
 def test_workers_split_every_global_batch(runs):
