@@ -99,15 +99,14 @@ def _train_loop_per_worker(config):
         json.dump(result, f)
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def _run(out):
+    """The Ray run (2 local workers) and the one-process reference: (workers, single, result)."""
     import tensorflow as tf
     from ray.train import RunConfig, ScalingConfig
     from ray.train.tensorflow import TensorflowTrainer
 
     import keras_fastloop as kf
 
-    out = tmp_path_factory.mktemp("ray_train")
     tests = os.path.dirname(os.path.abspath(__file__))
     # The workers import this checkout's keras_fastloop and this module (the loop above is
     # pickled by reference); Ray's usage statistics stay off (nothing leaves the machine).
@@ -115,7 +114,6 @@ def runs(tmp_path_factory):
         p for p in (os.path.dirname(tests), tests, os.environ.get("PYTHONPATH")) if p
     )
     env = {"PYTHONPATH": path, "TF_CPP_MIN_LOG_LEVEL": "2", "RAY_USAGE_STATS_ENABLED": "0"}
-    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
     ray.init(
         num_cpus=2,
         include_dashboard=False,
@@ -137,7 +135,7 @@ def runs(tmp_path_factory):
     return workers, single, result
 
 
-def test_workers_import_this_checkout_and_keras_3(runs):
+def _check_workers_import_this_checkout_and_keras_3(runs):
     import keras_fastloop as kf
 
     workers, _, _ = runs
@@ -149,20 +147,20 @@ def test_workers_import_this_checkout_and_keras_3(runs):
         assert worker["keras"].startswith("3.")
 
 
-def test_workers_split_every_global_batch(runs):
+def _check_workers_split_every_global_batch(runs):
     workers, _, _ = runs
     sizes = np.array([worker["local_batches"] for worker in workers])
     np.testing.assert_array_equal(sizes.sum(axis=0), [32] * 7 + [25])
     assert sorted(sizes[:, -1]) == [12, 13]  # an uneven split: shares must weight the losses
 
 
-def test_workers_end_with_identical_weights(runs):
+def _check_workers_end_with_identical_weights(runs):
     workers, _, _ = runs
     for a, b in zip(workers[0]["weights"], workers[1]["weights"], strict=True):
         np.testing.assert_array_equal(a, b)
 
 
-def test_two_ray_workers_match_one_process(runs):
+def _check_two_ray_workers_match_one_process(runs):
     # Tolerance: the two workers sum their halves' gradients in another order than one process
     # sums the batch (float32, ~1e-7 relative per step); 24 Adam steps keep that below 1e-5.
     workers, single, _ = runs
@@ -177,7 +175,7 @@ def test_two_ray_workers_match_one_process(runs):
     assert max(single["history"]["grad_norm"]) > 0.5  # clipping acted
 
 
-def test_ray_reports_and_checkpoints_the_model(runs):
+def _check_ray_reports_and_checkpoints_the_model(runs):
     import keras
     from ray.train.tensorflow import TensorflowCheckpoint
 
@@ -191,7 +189,7 @@ def test_ray_reports_and_checkpoints_the_model(runs):
         np.testing.assert_array_equal(np.ravel(a), b)
 
 
-def test_stock_keras_model_fails_there(runs):
+def _check_stock_keras_model_fails_there(runs):
     # keras.Model.fit under MultiWorkerMirroredStrategy (Keras 3): the symbolic build converts
     # a per-replica batch to a tensor. When this starts to pass, update docs/guide.md.
     workers, _, _ = runs
@@ -199,3 +197,15 @@ def test_stock_keras_model_fails_there(runs):
         assert worker["stock"].startswith("ValueError: Attempt to convert a value (PerReplica"), (
             worker["stock"]
         )
+
+
+def test_ray_train_two_workers(tmp_path, monkeypatch):
+    # One test, one Ray run (a module fixture would run once per pytest-xdist process).
+    monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
+    runs = _run(tmp_path)
+    _check_workers_import_this_checkout_and_keras_3(runs)
+    _check_workers_split_every_global_batch(runs)
+    _check_workers_end_with_identical_weights(runs)
+    _check_two_ray_workers_match_one_process(runs)
+    _check_ray_reports_and_checkpoints_the_model(runs)
+    _check_stock_keras_model_fails_there(runs)
