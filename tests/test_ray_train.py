@@ -71,7 +71,9 @@ def _train_loop_per_worker(config):
     """What every Ray worker runs (Ray has set its TF_CONFIG)."""
     import tensorflow as tf
 
-    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    # a timeout on the collectives: a worker that waits for a lost peer fails instead of hanging
+    options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=180)
+    strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
 
     import keras
     import ray.train
