@@ -45,12 +45,11 @@ from keras_fastloop._step import (
 )
 
 
-def _replayed(step_function):
+def _replayed(model, step_function):
     """`step_function` run with Keras' rematerialization replayed exactly (keras#21207)."""
 
     @functools.wraps(step_function)
     def replayed(*args, **kwargs):
-        model = getattr(step_function, "__self__", None)
         with internals.exact_remat(model):
             return step_function(*args, **kwargs)
 
@@ -401,7 +400,9 @@ class OptimizedTrainer:
 
     def _make_function(self, step_function):
         # Step outputs survive MultiWorkerMirroredStrategy's reduction (keras#20585).
-        return multi_worker.make_function(self, super()._make_function, _replayed(step_function))
+        return multi_worker.make_function(
+            self, super()._make_function, _replayed(self, step_function)
+        )
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
         # fit's epoch iterator is captured here (fit_loop); multi-worker builds (keras#20585).

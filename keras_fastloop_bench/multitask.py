@@ -42,7 +42,7 @@ import numpy as np
 from keras_fastloop import _timing
 
 SUITE = "multitask"
-LOSS_BASED = ("ew", "loss_ema", "uw", "dwa", "rlw", "famo")
+LOSS_BASED = ("ew", "loss_ema", "uw", "dwa", "rlw", "famo", "gls", "stch")
 GRADIENT_BASED = (
     "gradnorm",
     "pcgrad",
@@ -54,7 +54,7 @@ GRADIENT_BASED = (
     "aligned_mtl",
     "upgrad",
 )
-# The default subset (15 methods, within the 10-minute budget on 2 CPU cores); `methods="all"`
+# The default subset (17 methods, within the 10-minute budget on 2 CPU cores); `methods="all"`
 # runs every registered method (`all_methods`).
 
 
