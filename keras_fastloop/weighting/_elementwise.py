@@ -26,6 +26,7 @@ from keras import ops
 
 from keras_fastloop import _replicas
 from keras_fastloop._replicas import state_variable
+from keras_fastloop.weighting import _gradient
 from keras_fastloop.weighting._gradient import GradientWeighting
 
 
@@ -82,28 +83,10 @@ class ElementwiseGradientWeighting(GradientWeighting):
 
     def task_gradients(self, tape, losses, variables, scale_loss):
         """Per-task gradients: `(TaskGradients, scale)`; `scale` is the loss scale."""
-        scale = ops.cast(scale_loss(ops.ones((), "float32")), "float32")
-        none = tf.UnconnectedGradients.NONE
-        per_task = [
-            [
-                None if g is None else tf.convert_to_tensor(g)  # IndexedSlices -> dense
-                for g in tape.gradient(
-                    loss, variables, output_gradients=scale, unconnected_gradients=none
-                )
-            ]
-            for loss in losses
-        ]
+        scale = _gradient.loss_scale(scale_loss)
+        per_task = _gradient.task_gradients(tape, losses, variables, scale)
         shared = self._shared_indices(per_task, variables)
-        flat = []
-        for k in shared:
-            rows = [
-                ops.zeros((int(np.prod(variables[k].shape)),), "float32")
-                if grads[k] is None
-                else ops.reshape(ops.cast(grads[k], "float32"), (-1,))
-                for grads in per_task
-            ]
-            flat.append(ops.stack(rows) / scale)
-        flat = _replicas.all_reduce_sum(flat)
+        flat = _gradient.shared_rows(per_task, shared, variables, scale)
         global_losses = _replicas.all_reduce_sum([ops.cast(loss, "float32") for loss in losses])
         if self.buffer_prefix is not None:
             self._shared_in_trace = [self.buffers(variables[k]) for k in shared]

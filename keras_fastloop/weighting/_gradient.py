@@ -61,6 +61,42 @@ from keras_fastloop import _replicas
 from keras_fastloop.weighting.base import LossWeighting
 
 
+def loss_scale(scale_loss):
+    """The optimizer's current loss scale as a float32 scalar (1 without loss scaling)."""
+    return ops.cast(scale_loss(ops.ones((), "float32")), "float32")
+
+
+def task_gradients(tape, losses, variables, scale):
+    """Per loss, the gradients of `scale * loss` for `variables`: dense tensors, `None` where
+    the loss does not reach a variable."""
+    none = tf.UnconnectedGradients.NONE
+    return [
+        [
+            None if g is None else tf.convert_to_tensor(g)  # IndexedSlices -> dense
+            for g in tape.gradient(
+                loss, variables, output_gradients=scale, unconnected_gradients=none
+            )
+        ]
+        for loss in losses
+    ]
+
+
+def shared_rows(per_task, shared, variables, scale):
+    """Per shared variable (indices `shared`), the `(T, size)` float32 matrix of the task
+    gradients, divided by `scale` and summed across replicas (zeros where a task does not
+    reach the variable)."""
+    flat = []
+    for k in shared:
+        rows = [
+            ops.zeros((int(np.prod(variables[k].shape)),), "float32")
+            if grads[k] is None
+            else ops.reshape(ops.cast(grads[k], "float32"), (-1,))
+            for grads in per_task
+        ]
+        flat.append(ops.stack(rows) / scale)
+    return _replicas.all_reduce_sum(flat)
+
+
 def _resolve_shared(model, shared):
     if shared is None:
         return None
@@ -138,34 +174,18 @@ class GradientWeighting(LossWeighting):
 
     def gradients(self, tape, losses, objective, variables, scale_loss):
         variables = list(variables)
-        scale = ops.cast(scale_loss(ops.ones((), "float32")), "float32")
-        none = tf.UnconnectedGradients.NONE
-        per_task = [
-            [
-                None if g is None else tf.convert_to_tensor(g)  # IndexedSlices -> dense
-                for g in tape.gradient(
-                    loss, variables, output_gradients=scale, unconnected_gradients=none
-                )
-            ]
-            for loss in losses
-        ]
+        scale = loss_scale(scale_loss)
+        per_task = task_gradients(tape, losses, variables, scale)
         shared = self._shared_indices(per_task, variables)
-        flat = []
-        for k in shared:
-            rows = [
-                ops.zeros((int(np.prod(variables[k].shape)),), "float32")
-                if grads[k] is None
-                else ops.reshape(ops.cast(grads[k], "float32"), (-1,))
-                for grads in per_task
-            ]
-            flat.append(ops.stack(rows) / scale)
-        flat = _replicas.all_reduce_sum(flat)
+        flat = shared_rows(per_task, shared, variables, scale)
         gram = ops.sum(ops.stack([ops.matmul(f, ops.transpose(f)) for f in flat]), axis=0)
         global_losses = _replicas.all_reduce_sum([ops.cast(loss, "float32") for loss in losses])
         beta = self.task_weights(gram, ops.stack(global_losses))
         self.weights.assign(beta)
         head = self.head_weights()
-        regularization = tape.gradient(objective, variables, unconnected_gradients=none)
+        regularization = tape.gradient(
+            objective, variables, unconnected_gradients=tf.UnconnectedGradients.NONE
+        )
         shared = set(shared)
         result = []
         for k in range(len(variables)):

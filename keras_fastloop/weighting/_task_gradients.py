@@ -12,44 +12,17 @@ from __future__ import annotations
 import warnings
 
 import keras
-import numpy as np
 import tensorflow as tf
 from keras import ops
 
-from keras_fastloop import _replicas
 from keras_fastloop._replicas import state_variable
 from keras_fastloop._warnings import FastloopWarning
-from keras_fastloop.weighting._gradient import GradientWeighting
-
-
-def task_gradients(tape, losses, variables, scale):
-    """Per loss, the (loss-scaled) gradients of `variables`: dense tensors, `None` where the
-    loss does not reach a variable."""
-    none = tf.UnconnectedGradients.NONE
-    return [
-        [
-            None if g is None else tf.convert_to_tensor(g)  # IndexedSlices -> dense
-            for g in tape.gradient(
-                loss, variables, output_gradients=scale, unconnected_gradients=none
-            )
-        ]
-        for loss in losses
-    ]
-
-
-def shared_rows(per_task, shared, variables, scale):
-    """Per shared variable, the `(T, size)` float32 matrix of the task gradients, unscaled and
-    summed across replicas (zeros where a task does not reach it)."""
-    flat = []
-    for k in shared:
-        rows = [
-            ops.zeros((int(np.prod(variables[k].shape)),), "float32")
-            if grads[k] is None
-            else ops.reshape(ops.cast(grads[k], "float32"), (-1,))
-            for grads in per_task
-        ]
-        flat.append(ops.stack(rows) / scale)
-    return _replicas.all_reduce_sum(flat)
+from keras_fastloop.weighting._gradient import (
+    GradientWeighting,
+    loss_scale,
+    shared_rows,
+    task_gradients,
+)
 
 
 def weighted_sum(per_task, k, weights):
@@ -84,11 +57,6 @@ def assemble(num_variables, shared_terms, head_terms, regularization):
 def regularization_gradients(tape, objective, variables):
     """The gradients of the step's objective (only regularization for these methods)."""
     return tape.gradient(objective, variables, unconnected_gradients=tf.UnconnectedGradients.NONE)
-
-
-def loss_scale(scale_loss):
-    """The optimizer's current loss scale as a float32 scalar (1 without loss scaling)."""
-    return ops.cast(scale_loss(ops.ones((), "float32")), "float32")
 
 
 class _ReportWholeBatches(keras.callbacks.Callback):

@@ -8,8 +8,8 @@ import tensorflow as tf
 from keras import ops
 
 from keras_fastloop._replicas import state_variable
+from keras_fastloop.weighting import _gradient, _utils
 from keras_fastloop.weighting import _task_gradients as tg
-from keras_fastloop.weighting import _utils
 from keras_fastloop.weighting._gradient import GradientWeighting
 from keras_fastloop.weighting._solvers import _gradvac_weights_xla
 from keras_fastloop.weighting.base import _PACKAGE
@@ -102,10 +102,10 @@ class GradVac(GradientWeighting):
 
     def gradients(self, tape, losses, objective, variables, scale_loss):
         variables = list(variables)
-        scale = tg.loss_scale(scale_loss)
-        per_task = tg.task_gradients(tape, losses, variables, scale)
+        scale = _gradient.loss_scale(scale_loss)
+        per_task = _gradient.task_gradients(tape, losses, variables, scale)
         shared = self._shared_indices(per_task, variables)
-        rows = tg.shared_rows(per_task, shared, variables, scale)
+        rows = _gradient.shared_rows(per_task, shared, variables, scale)
         groups = [self._group(variables[k]) for k in shared]
         used = sorted(set(groups))
         grams = ops.stack(

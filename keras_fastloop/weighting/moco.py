@@ -10,8 +10,8 @@ from keras import ops
 
 from keras_fastloop import _replicas
 from keras_fastloop._replicas import state_variable
+from keras_fastloop.weighting import _gradient, _utils
 from keras_fastloop.weighting import _task_gradients as tg
-from keras_fastloop.weighting import _utils
 from keras_fastloop.weighting._gradient import GradientWeighting
 from keras_fastloop.weighting.base import _PACKAGE
 
@@ -97,10 +97,10 @@ class MoCo(GradientWeighting):
 
     def gradients(self, tape, losses, objective, variables, scale_loss):
         variables = list(variables)
-        scale = tg.loss_scale(scale_loss)
-        per_task = tg.task_gradients(tape, losses, variables, scale)
+        scale = _gradient.loss_scale(scale_loss)
+        per_task = _gradient.task_gradients(tape, losses, variables, scale)
         shared = self._shared_indices(per_task, variables)
-        rows = tg.shared_rows(per_task, shared, variables, scale)
+        rows = _gradient.shared_rows(per_task, shared, variables, scale)
         global_losses = _replicas.all_reduce_sum([ops.cast(loss, "float32") for loss in losses])
         norms = ops.sqrt(sum(ops.sum(ops.square(r), axis=1) for r in rows))
         coefficients = ops.stack(global_losses) / (norms + 1e-8)
