@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import inspect
+import warnings
 from typing import Any
 
 import keras
@@ -25,6 +26,7 @@ from keras_fastloop import weighting as weighting_module
 from keras_fastloop._step import losses, scaling, user_metrics
 from keras_fastloop._step import micro_batching as micro_batching_module
 from keras_fastloop._step.results import LOG_METRICS
+from keras_fastloop._warnings import FastloopWarning
 
 __all__ = [
     "KERAS_DEFAULTS",
@@ -161,8 +163,13 @@ def check_remat_scopes(model):
     Raises:
         ValueError: `output_size_threshold` not a non-negative integer (`"larger_than"`), or
             `layer_names` not a list of strings (`"list_of_layers"`).
+
+    Warns:
+        FastloopWarning: a `"list_of_layers"` scope none of whose `layer_names` is the name of
+            a layer built under it (it rematerializes nothing).
     """
-    for layer_name, remat_mode in internals.remat_modes(model):
+    found = internals.remat_modes(model)
+    for layer_name, remat_mode in found:
         if remat_mode.mode == "larger_than":
             threshold = remat_mode.output_size_threshold
             if not validation.is_int(threshold) or threshold < 0:
@@ -181,6 +188,21 @@ def check_remat_scopes(model):
                     f"\"list_of_layers\")` layer '{layer_name}' was built under)",
                     names,
                 )
+    scopes = {}
+    for layer_name, remat_mode in found:
+        if remat_mode.mode == "list_of_layers":
+            # one RematMode per layer: scopes made with the same arguments count as one
+            key = tuple(remat_mode.layer_names)
+            scopes.setdefault(key, (remat_mode, set()))[1].add(layer_name)
+    for remat_mode, built in scopes.values():
+        if not built & set(remat_mode.layer_names):
+            warnings.warn(
+                'A `keras.RematScope(mode="list_of_layers")` names no layer built under it, so '
+                f"it rematerializes nothing. Layers built under it: {sorted(built)}. "
+                f"Received: layer_names={list(remat_mode.layer_names)}",
+                FastloopWarning,
+                stacklevel=3,
+            )
 
 
 def validate_compile_arguments(

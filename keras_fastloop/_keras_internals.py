@@ -5,6 +5,8 @@ else, and `tests/test_keras_internals.py` fails loudly if a Keras upgrade moves 
 """
 
 import contextlib
+import functools
+import threading
 
 import keras
 from keras.src.backend import get_keras_mask
@@ -170,8 +172,16 @@ _STATEFUL_RANDOM_OPS = frozenset(
     }
 )
 
-_remat_state = {"depth": 0, "model": None}
+# Per thread: MirroredStrategy traces each replica's step in its own thread, and their entries
+# and exits interleave. `models` is a stack: the innermost traced step's model is last.
+_remat_state = threading.local()
 _stock_core_remat = None
+
+
+def _traced_models():
+    if not hasattr(_remat_state, "models"):
+        _remat_state.models = []
+    return _remat_state.models
 
 
 def install_remat_hook():
@@ -195,7 +205,7 @@ def _keras_remat_hook(f):
 
         if in_symbolic_scope():  # shape inference (`compute_output_spec`): no gradient to save
             return f(*args, **kwargs)
-        if _remat_state["depth"] == 0:
+        if not _traced_models():
             return _stock_core_remat(f)(*args, **kwargs)
         return _exact_remat_call(f, args, kwargs)
 
@@ -210,14 +220,24 @@ def exact_remat(model):
     `model` is the model whose step is traced (its seed generators are replayed when the
     rematerialized function belongs to no layer).
     """
-    previous = _remat_state["model"]
-    _remat_state["depth"] += 1
-    _remat_state["model"] = model
+    models = _traced_models()
+    models.append(model)
     try:
         yield
     finally:
-        _remat_state["depth"] -= 1
-        _remat_state["model"] = previous
+        models.pop()
+
+
+def with_exact_remat(model, step_function):
+    """`step_function` run inside `exact_remat(model)` (what our traced steps are built from)."""
+
+    @functools.wraps(step_function)
+    def replayed(*args, **kwargs):
+        with exact_remat(model):
+            return step_function(*args, **kwargs)
+
+    replayed._fastloop_exact_remat = True
+    return replayed
 
 
 def remat_modes(model):
@@ -253,7 +273,7 @@ def _replayed_variables(f):
     if owner is not None:
         variables = list(owner.non_trainable_variables)
     else:
-        model = _remat_state["model"]
+        model = _traced_models()[-1] if _traced_models() else None
         variables = []
         if model is not None:
             for layer in model._flatten_layers(include_self=True):
@@ -310,8 +330,7 @@ def _exact_remat_call(f, args, kwargs):
         graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
         first_op = len(graph.get_operations()) if graph is not None else 0
         a, kw = rebuilt(tensors)
-        owner = _owner_layer(f)
-        losses_before = len(owner._losses) if owner is not None else 0
+        losses_before = _added_losses(f)
         outputs = f(*a, **kw)
         if graph is not None:
             stateful = sorted(
@@ -331,7 +350,7 @@ def _exact_remat_call(f, args, kwargs):
                 "generator (a `keras.random` call with `seed=None`), whose first state cannot be "
                 "replayed. Pass a `keras.random.SeedGenerator` owned by the layer as `seed=`."
             )
-        if owner is not None and len(owner._losses) != losses_before:
+        if _added_losses(f) != losses_before:
             raise ValueError(
                 f"Cannot rematerialize {_describe(f)}: it adds a loss (`add_loss`, an activity "
                 "regularizer) inside the rematerialized call, whose gradient the recompute "
@@ -366,6 +385,17 @@ def _exact_remat_call(f, args, kwargs):
     return _stock_core_remat(positional)(*[flat[i] for i in positions])
 
 
+def _added_losses(f):
+    """How many `add_loss` losses the layer owning `f` (else the traced model) and its
+    sublayers hold now (an activity regularizer of a sublayer counts too)."""
+    owner = _owner_layer(f)
+    if owner is None:
+        owner = _traced_models()[-1] if _traced_models() else None
+    if owner is None:
+        return 0
+    return sum(len(layer._losses) for layer in owner._flatten_layers(include_self=True))
+
+
 def _describe(f):
     owner = _owner_layer(f)
     if owner is not None:
@@ -378,6 +408,7 @@ install_remat_hook()
 
 __all__ = [
     "exact_remat",
+    "with_exact_remat",
     "remat_modes",
     "install_remat_hook",
     "keras_model_summary",

@@ -45,14 +45,15 @@ from keras_fastloop._step import (
 )
 
 
-def _replayed(model, step_function):
-    """`step_function` run with Keras' rematerialization replayed exactly (keras#21207)."""
+def _exact_remat_method(step):
+    """A step method run inside `exact_remat(self)` (see `_keras_internals.exact_remat`)."""
 
-    @functools.wraps(step_function)
-    def replayed(*args, **kwargs):
-        with internals.exact_remat(model):
-            return step_function(*args, **kwargs)
+    @functools.wraps(step)
+    def replayed(self, data):
+        with internals.exact_remat(self):
+            return step(self, data)
 
+    replayed._fastloop_exact_remat = True
     return replayed
 
 
@@ -101,6 +102,13 @@ class OptimizedTrainer:
         own_step = cls.train_step
         if own_step is not OptimizedTrainer.train_step and not hasattr(own_step, "_fastloop_own"):
             cls.train_step = _watched(own_step)
+        # Keras builds predict's function without `_make_function`: a class's own predict_step
+        # replays rematerialization as ours does (keras#21207).
+        own_predict = cls.predict_step
+        if own_predict is not OptimizedTrainer.predict_step and not hasattr(
+            own_predict, "_fastloop_exact_remat"
+        ):
+            cls.predict_step = _exact_remat_method(own_predict)
 
     def compile(
         self,
@@ -343,8 +351,8 @@ class OptimizedTrainer:
         step = self.fastloop_step
         if step is None:  # not compiled by this class' compile: Keras' own
             return super().compute_loss(x, y, y_pred, sample_weight, training)
-        del x, training
-        return objective.compute_loss(self, step, y, y_pred, sample_weight)
+        del x
+        return objective.compute_loss(self, step, y, y_pred, sample_weight, training)
 
     # ------------------------------------------------------------------------------ the steps
 
@@ -400,9 +408,7 @@ class OptimizedTrainer:
 
     def _make_function(self, step_function):
         # Step outputs survive MultiWorkerMirroredStrategy's reduction (keras#20585).
-        return multi_worker.make_function(
-            self, super()._make_function, _replayed(self, step_function)
-        )
+        return multi_worker.make_function(self, super()._make_function, step_function)
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
         # fit's epoch iterator is captured here (fit_loop); multi-worker builds (keras#20585).

@@ -13,7 +13,7 @@ pairing; seed 0).
 Model: a shared trunk (3x3 conv, 16 channels; 2x2 max-pool; 3x3 conv, 32 channels; dense 64)
 and one dense softmax head per task. For each seed the initial weights are drawn once and every
 contender starts from them, with the same optimizer (Adam 3e-3), batch size (64), number of
-epochs and data order. Methods run with their defaults: by default the 15 of `LOSS_BASED +
+epochs and data order. Methods run with their defaults: by default the 17 of `LOSS_BASED +
 GRADIENT_BASED` (within 10 minutes on 2 CPU cores), every registered one with
 `methods="all"` (`keras-fastloop bench --suite multitask --methods all`). Single-task baselines (STL) train the
 same two-head network with the other task's loss removed.

@@ -37,7 +37,7 @@ loss_weights_string     ValueError  Every entry of `loss_weights` must be a fini
 loss_weights_float_2out ValueError  A single float `loss_weights` is only valid for a single-...
 gradient_weighting_mb   ValueError  Gradient-based loss weighting cannot be combined with ...
 uw_initial_string       ValueError  `initial_log_variance` must be a finite float
-dwa_temperature_zero    ValueError  `temperature` must be a positive number
+dwa_temperature_zero    ValueError  `temperature` must be a finite positive number
 nonfinite_unknown       ValueError  `nonfinite` must be one of ('skip', 'raise', 'terminate')
 micro_batch_zero        ValueError  `micro_batch_size` must be None or a positive integer
 micro_batch_negative    ValueError  `micro_batch_size` must be None or a positive integer
@@ -321,7 +321,7 @@ BAD_INPUTS = [
         "dwa_temperature_zero",
         lambda: kf.weighting.DWA(temperature=0),
         ValueError,
-        r"`temperature` must be a positive number\. Received: temperature=0",
+        r"`temperature` must be a finite positive number\. Received: temperature=0",
     ),
     (
         "nonfinite_unknown",

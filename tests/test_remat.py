@@ -359,3 +359,70 @@ def test_a_layer_the_recompute_cannot_replay_is_refused_not_trained_wrong(layer,
         model.fit(x, y, batch_size=8, epochs=1, verbose=0)
     for a, w in zip(before, model.weights):
         np.testing.assert_array_equal(a, w.numpy())
+
+
+class RegularizedBlock(keras.layers.Layer):
+    """A block whose *sublayer* adds a loss (an activity regularizer)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(4, activity_regularizer=keras.regularizers.L2(10.0))
+
+    def call(self, x):
+        return self.dense(x)
+
+
+def test_a_sublayers_added_loss_in_a_rematerialized_block_is_refused():
+    with keras.RematScope(mode="list_of_layers", layer_names=["blk"]):
+        inputs = keras.Input((4,))
+        outputs = keras.layers.Dense(1)(RegularizedBlock(name="blk")(inputs))
+    model = kf.OptimizedModel(inputs, outputs)
+    model.compile("sgd", "mse")
+    with pytest.raises(ValueError, match="adds a loss"):
+        model.fit(*data(16, 4), batch_size=8, epochs=1, verbose=0)
+
+
+def test_auto_steps_per_execution_trains_under_a_scope():
+    x, y = data()
+    ref = train(functional(None), x, y, steps_per_execution="auto")
+    got = train(functional("full"), x, y, steps_per_execution="auto")
+    assert_same_training(ref, got, atol=1e-6)
+
+
+def test_a_subclass_own_predict_step_runs_under_a_scope():
+    class Doubled(kf.OptimizedModel):
+        def predict_step(self, data):
+            x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
+            return self(x, training=False) * 2.0
+
+    plain, remat = functional(None), functional("full")
+    x, _ = data()
+    expected = plain.predict(x, verbose=0) * 2.0
+    got = Doubled(remat.inputs, remat.outputs).predict(x, verbose=0)
+    np.testing.assert_allclose(got, expected, rtol=0, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_a_replicated_fit_leaves_no_model_in_the_trace_state():
+    import threading
+
+    from keras_fastloop import _keras_internals as internals
+
+    x, y = data()
+    with two_replica_strategy().scope():
+        model = functional("full")
+        got = train(model, x, y, epochs=1)
+        ref = train(functional(None), x, y, epochs=1)
+    assert_same_training(ref, got, atol=1e-6)
+    # the replicas' threads traced with their own stacks; this thread's is empty again
+    assert internals._traced_models() == []
+    assert isinstance(internals._remat_state, threading.local)
+
+
+def test_a_list_of_layers_scope_naming_no_layer_is_said_at_compile():
+    with keras.RematScope(mode="list_of_layers", layer_names=["blok"]):  # a typo
+        inputs = keras.Input((4,))
+        outputs = keras.layers.Dense(1, name="block")(inputs)
+    model = kf.OptimizedModel(inputs, outputs)
+    with pytest.warns(kf.FastloopWarning, match=r"rematerializes nothing.*layer_names=\['blok'\]"):
+        model.compile("sgd", "mse")

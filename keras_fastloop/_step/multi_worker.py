@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from keras_fastloop import _keras_internals as internals
+
 
 def is_multi_worker(strategy) -> bool:
     """Whether `strategy` is a `MultiWorkerMirroredStrategy` (whose step outputs Keras mis-reduces).
@@ -83,6 +85,8 @@ def make_function(model, keras_make_function, step_function):
     Example:
         >>> # in OptimizedModel: multi_worker.make_function(self, super()._make_function, step)
     """
+    # Keras' rematerialization replayed exactly while the step is traced (keras#21207).
+    step_function = internals.with_exact_remat(model, step_function)
     if not is_multi_worker(model.distribute_strategy):
         return keras_make_function(step_function)
     packer = _OutputPacker()

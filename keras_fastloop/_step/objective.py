@@ -44,13 +44,14 @@ class LossRecord:
         self.part_losses = self.replica_batch_size = None
 
 
-def compute_loss(model, step, y, y_pred, sample_weight):
+def compute_loss(model, step, y, y_pred, sample_weight, training=True):
     """The scalar the step differentiates (see `OptimizedTrainer.compute_loss`).
 
     Args:
         model: the compiled model.
         step: its `TrainingStep`.
-        y, y_pred, sample_weight: as Keras' `compute_loss`.
+        y, y_pred, sample_weight, training: as Keras' `compute_loss` (the parts of a
+            `sub_batches` weighting are taken only when training).
 
     Returns:
         float32 scalar (or Keras' per-sample total, `(batch, ...)`, with losses of
@@ -66,7 +67,7 @@ def compute_loss(model, step, y, y_pred, sample_weight):
     if task_loss is not None:
         regularization_sum = ops.sum(ops.stack(regularization)) if regularization else None
         record = _task_record(
-            model, step, task_loss.evaluate(y, y_pred, sample_weight), regularization_sum
+            model, step, task_loss.evaluate(y, y_pred, sample_weight), regularization_sum, training
         )
         terms.append(record.objective)
     terms += regularization
@@ -84,7 +85,7 @@ def compute_loss(model, step, y, y_pred, sample_weight):
     return ops.sum(ops.stack(terms))
 
 
-def _task_record(model, step, task_terms, regularization_sum):
+def _task_record(model, step, task_terms, regularization_sum, training=True):
     """The `LossRecord` of the compiled tasks' `TaskTerm`s."""
     # Under tf.distribute: the replicas' shares of the global losses (one all-reduce, which
     # also gives the global batch size and the global losses).
@@ -102,7 +103,7 @@ def _task_record(model, step, task_terms, regularization_sum):
         per_task = ops.convert_to_tensor(model._compile_loss.static_weights, "float32")
         logged_task_loss = ops.sum(ops.stack(values) * per_task)
     record = LossRecord(values, objective, weights, logged_task_loss, sync.batch_size)
-    if weighting.sub_batches > 1:
+    if weighting.sub_batches > 1 and training:  # parts only for the update, not evaluate
         record.part_losses = part_losses(task_terms, weighting.sub_batches)
         record.replica_batch_size = batch.batch_size(task_terms[0].y_pred)
     if sync.global_losses is not None:  # the step's global losses, no second collective

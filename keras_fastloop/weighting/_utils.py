@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 from keras import ops
@@ -36,7 +37,8 @@ def check_positive(value, name, allow_zero=False):
     """`_validation.check_real` for a positive (or non-negative) number; returns a float."""
     kind = "non-negative" if allow_zero else "positive"
     ok = _validation.is_real(value) and (value >= 0 if allow_zero else value > 0)
-    _validation.check(ok, name, f"a {kind} number", value)
+    ok = ok and math.isfinite(value)  # an infinite hyperparameter makes every step NaN
+    _validation.check(ok, name, f"a finite {kind} number", value)
     return float(value)
 
 

@@ -65,13 +65,13 @@ class DBMTL(ElementwiseGradientWeighting):
 
     def build(self, model, state, task_names, static_weights):
         super().build(model, state, task_names, static_weights)
-        self.step = state_variable(state, "db_mtl_step", (), 0.0)
+        self.step = state_variable(state, "db_mtl_step", (), 0, "int64")  # exact past 2**24
 
     def gradients(self, tape, losses, objective, variables, scale_loss):
         variables = list(variables)
         grads, scale = self.task_gradients(tape, losses, variables, scale_loss)
         inverse = 1.0 / (grads.losses + _EPS)
-        decay = self.beta / ops.power(self.step + 1.0, self.beta_sigma)
+        decay = self.beta / ops.power(ops.cast(self.step, "float32") + 1.0, self.beta_sigma)
         averages = []
         for flat, (current, pending) in zip(grads.flat, self._shared_in_trace):
             h = flat * inverse[:, None]
@@ -95,7 +95,7 @@ class DBMTL(ElementwiseGradientWeighting):
 
     def update(self, losses):
         self.commit_buffers()
-        self.step.assign_add(1.0)
+        self.step.assign_add(1)
 
     def get_config(self):
         return {"beta": self.beta, "beta_sigma": self.beta_sigma}

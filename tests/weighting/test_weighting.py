@@ -520,3 +520,17 @@ def test_two_replicas_keep_identical_state(method_id):
     assert len(values) == 2
     np.testing.assert_array_equal(values[0], values[1])
     assert np.all(np.isfinite(values[0])) and not np.allclose(values[0], 1.0)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: weighting.STCH(mu=float("inf")),
+        lambda: weighting.FairGrad(alpha=float("inf")),
+        lambda: weighting.MoCo(beta=float("inf")),
+        lambda: weighting.DWA(temperature=float("inf")),
+    ],
+)
+def test_an_infinite_hyperparameter_is_refused_at_construction(make):
+    with pytest.raises(ValueError, match=r"must be a finite .*Received: \w+=inf"):
+        make()
