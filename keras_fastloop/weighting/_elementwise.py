@@ -50,7 +50,7 @@ class ElementwiseGradientWeighting(GradientWeighting):
         self._shared_in_trace = []
         if self.buffer_prefix is None:
             return
-        candidates = self._given_shared or list(model.trainable_variables)
+        candidates = self.compiled_candidates(model)
         if not candidates:
             raise ValueError(
                 f"Loss weighting '{self.name}' keeps per-task state for every shared variable "
@@ -70,11 +70,7 @@ class ElementwiseGradientWeighting(GradientWeighting):
         for candidate, current, pending in self._buffers:
             if candidate is variable:
                 return current, pending
-        raise ValueError(
-            f"Loss weighting '{self.name}' found the shared variable {variable.path!r}, which "
-            "did not exist at compile() (it has no state). Build the model before compile() "
-            f"or pass `shared_variables`. Received: shared variable {variable.path!r}"
-        )
+        raise self.unknown_at_compile(variable)
 
     def commit_buffers(self):
         """Copy this step's pending per-element state into the state (in `update`)."""

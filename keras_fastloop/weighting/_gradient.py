@@ -140,6 +140,21 @@ class GradientWeighting(LossWeighting):
         self._given_shared = _resolve_shared(model, getattr(step, "shared_variables", None))
         self.shared_variable_paths = None  # set when the step is traced
 
+    def compiled_candidates(self, model):
+        """The variables that may be shared, as known at `compile()`: `shared_variables` when
+        given, else every trainable variable (the shared ones are found only when the step is
+        traced). Methods with per-variable state make it for these."""
+        return list(self._given_shared or model.trainable_variables)
+
+    def unknown_at_compile(self, variable):
+        """The error for a shared variable that has no per-variable state (see
+        `compiled_candidates`)."""
+        return ValueError(
+            f"Loss weighting '{self.name}' found the shared variable {variable.path!r}, which "
+            "did not exist at compile() (it has no state). Build the model before compile() "
+            f"or pass `shared_variables`. Received: shared variable {variable.path!r}"
+        )
+
     def head_weights(self):
         """Weights of the task-specific variables' gradients (default: 1 per task)."""
         return ops.ones((self.num_tasks,), "float32")

@@ -79,7 +79,7 @@ class GradVac(GradientWeighting):
 
     def build(self, model, state, task_names, static_weights):
         super().build(model, state, task_names, static_weights)
-        candidates = self._given_shared or model.trainable_variables
+        candidates = self.compiled_candidates(model)
         keys = []
         for variable in candidates:
             if self._group_key(variable) not in keys:
@@ -93,11 +93,7 @@ class GradVac(GradientWeighting):
 
     def _group(self, variable):
         if id(variable) not in self._groups:
-            raise ValueError(
-                "GradVac keeps a similarity target per group of the variables the model had "
-                "when it was compiled; this shared variable is not one of them. Compile the "
-                f"model after building it. Received: variable={variable.path}"
-            )
+            raise self.unknown_at_compile(variable)
         return self._groups[id(variable)]
 
     def gradients(self, tape, losses, objective, variables, scale_loss):

@@ -81,18 +81,14 @@ class MoCo(GradientWeighting):
         self.lambd = state_variable(state, "moco_lambda", (t,), 1.0 / t)
         self.step = state_variable(state, "moco_step", (), 0, "int64")
         self.estimates = {}
-        for n, variable in enumerate(self._given_shared or model.trainable_variables):
+        for n, variable in enumerate(self.compiled_candidates(model)):
             size = int(np.prod(variable.shape))
             self.estimates[id(variable)] = state_variable(state, f"moco_y_{n}", (t, size))
         self._pending = None
 
     def _estimate(self, variable):
         if id(variable) not in self.estimates:
-            raise ValueError(
-                "MoCo keeps its gradient estimates for the variables the model had when it "
-                "was compiled; this shared variable is not one of them. Compile the model "
-                f"after building it. Received: variable={variable.path}"
-            )
+            raise self.unknown_at_compile(variable)
         return self.estimates[id(variable)]
 
     def gradients(self, tape, losses, objective, variables, scale_loss):
