@@ -22,6 +22,7 @@ from typing import Any
 
 import keras
 import tensorflow as tf
+from keras import ops
 
 from keras_fastloop import _compile_config as compile_config
 from keras_fastloop import _compile_settings as compile_settings
@@ -35,6 +36,7 @@ from keras_fastloop import weighting as weighting_module
 from keras_fastloop._step import (
     batch,
     gradients,
+    guards,
     loss_shares,
     losses,
     multi_worker,
@@ -289,29 +291,21 @@ class OptimizedTrainer:
         """
         return self.fastloop_step.state.skipped_steps
 
-    @property
-    def metrics(self):
-        metrics = super().metrics
-        step = self.fastloop_step
-        if step is not None and not self.__dict__.get("_fastloop_evaluating"):
-            metrics = metrics + step.metrics.all()
-        return metrics
-
     def reset_metrics(self):
         super().reset_metrics()
         step = self.fastloop_step
         if step is not None and not self.__dict__.get("_fastloop_evaluating"):
-            step.applied_in_epoch.assign(0)
-            step.skipped_in_epoch.assign(0)
+            step.reset()
 
     def get_metrics_result(self):
-        """Keras' metric results; NaN for the training values of an epoch in which no
-        update was applied (every step skipped), never a `Mean`'s 0.0 over no batch."""
+        """Keras' metric results and the step metrics (training only); NaN for the training
+        values of an epoch in which no update was applied (every step skipped for a
+        non-finite value), never a `Mean`'s 0.0 over no batch."""
         logs = super().get_metrics_result()
         step = self.fastloop_step
         if step is None or self.__dict__.get("_fastloop_evaluating"):
             return logs
-        return step.epoch_logs(logs)
+        return step.epoch_logs({**logs, **step.logs()})
 
     @contextlib.contextmanager
     def _evaluation(self):
@@ -378,11 +372,14 @@ class OptimizedTrainer:
         decision, grad_norm = step.apply(grads, variables, optimizer, global_losses)
         update.update_weighting(step, decision, global_losses)
         update.record_step_metrics(step, optimizer, decision.applied, grad_norm)
-        update.record_metrics(self, step, result, decision.applied)
+        # a loss-scale overflow is routine: its (finite) loss is recorded, as in keras.Model
+        recorded = ops.logical_or(decision.applied, guards.overflowed(decision))
+        update.record_metrics(self, step, result, recorded)
         if user_metrics.overrides_compute_metrics(self):
-            return user_metrics.compute_metrics(
-                self, x, y, result.y_pred, sample_weight, decision.applied
-            )
+            logs = user_metrics.compute_metrics(self, x, y, result.y_pred, sample_weight, recorded)
+            if isinstance(logs, dict):
+                logs = {**logs, **{k: v for k, v in step.logs().items() if k not in logs}}
+            return logs
         return self.get_metrics_result()
 
     def test_step(self, data):

@@ -15,6 +15,7 @@ import warnings
 import weakref
 
 import keras
+import numpy as np
 import tensorflow as tf
 from keras import ops
 
@@ -132,6 +133,17 @@ class TrainingStep:
             non-finite loss or gradient, or a loss-scale overflow).
         """
         optimizer = self._optimizer(optimizer)
+        variables = _check_arguments("minimize", variables, optimizer)
+        if not isinstance(tape, tf.GradientTape):
+            raise TypeError(
+                "`tape` must be the `tf.GradientTape` under which `loss` was computed. "
+                f"Received: tape={tape!r}"
+            )
+        if not tf.is_tensor(loss) or not tf.as_dtype(loss.dtype).is_floating:
+            raise TypeError(
+                "`loss` must be a float tensor computed under `tape` (a scalar or per-sample "
+                f"values). Received: loss={loss!r}"
+            )
         self._check_scaling(optimizer)
         scale = scaling.current_scale(optimizer)
         seed = None
@@ -143,6 +155,12 @@ class TrainingStep:
             output_gradients=seed,
             unconnected_gradients=tf.UnconnectedGradients.NONE,
         )
+        if all(g is None for g in grads):
+            raise ValueError(
+                "No gradients provided for any variable: `loss` must be computed under "
+                "`tape` from `variables` (inside `with tf.GradientTape() as tape:`). "
+                f"Received: variables={[v.path for v in variables]}"
+            )
         return self.apply_gradients(grads, variables, optimizer, loss)
 
     def apply_gradients(self, grads, variables, optimizer=None, loss=None):
@@ -162,6 +180,18 @@ class TrainingStep:
             Scalar bool tensor: whether the update was applied.
         """
         optimizer = self._optimizer(optimizer)
+        variables = _check_arguments("apply_gradients", variables, optimizer)
+        grads = list(grads)
+        if len(grads) != len(variables):
+            raise ValueError(
+                "`grads` must hold one gradient per variable. "
+                f"Received: len(grads)={len(grads)}, len(variables)={len(variables)}"
+            )
+        if all(g is None for g in grads):
+            raise ValueError(
+                "No gradients provided for any variable: every gradient is None. "
+                f"Received: variables={[v.path for v in variables]}"
+            )
         global_losses = None
         if scaling.is_loss_scale_optimizer(optimizer) and loss is not None:
             global_losses = _replicas.all_reduce_sum([ops.sum(ops.cast(loss, "float32"))])
@@ -190,7 +220,8 @@ class TrainingStep:
             grads = self.clipper(unique_rows, variables, grad_norm)
         update.apply(optimizer, grads, variables, decision, scale)
         self.applied_in_epoch.assign_add(ops.cast(decision.applied, "int64"))
-        self.skipped_in_epoch.assign_add(ops.cast(decision.skipped, "int64"))
+        faulty = ops.logical_and(decision.skipped, ops.logical_not(guards.overflowed(decision)))
+        self.skipped_in_epoch.assign_add(ops.cast(faulty, "int64"))
         guards.record_skip(self, optimizer, decision, unique_rows, variables)
         return decision, grad_norm
 
@@ -226,7 +257,7 @@ class TrainingStep:
         logs = train_step(model, data)
         if self._reached != reached:
             if isinstance(logs, dict):
-                extra = {m.name: m.result() for m in self.metrics.all() if m.name not in logs}
+                extra = {k: v for k, v in self.logs().items() if k not in logs}
                 logs = {**logs, **extra}
             return logs
         if not self.warned_unreached and self.stage_options:
@@ -246,23 +277,41 @@ class TrainingStep:
             stacklevel=2,
         )
 
+    def logs(self):
+        """The step metrics' results, once the step has reached the stages (else `{}`).
+
+        They are not in `model.metrics`, so a custom step's loop over `self.metrics` never
+        updates them: only the stages write them.
+        """
+        if not self._reached:
+            return {}
+        return {m.name: m.result() for m in self.metrics.all()}
+
+    def reset(self):
+        """Start of an epoch (`model.reset_metrics`): the step metrics and epoch counters."""
+        for metric in self.metrics.all():
+            metric.reset_state()
+        self.applied_in_epoch.assign(0)
+        self.skipped_in_epoch.assign(0)
+
     def epoch_logs(self, logs):
-        """`logs` with NaN for every training value when steps were skipped and none applied
-        since the metrics were reset: a Keras `Mean` over zero batches reads 0.0, a perfect loss where
-        nothing trained. The step's state (`skipped_steps`, `loss_scale`, `{task}_weight`)
-        is kept."""
+        """`logs` with NaN for every training value when steps were skipped for a non-finite
+        value and none applied since the metrics were reset: a Keras `Mean` over zero batches
+        reads 0.0, a perfect loss where nothing trained. Loss-scale overflows do not count
+        (the loss was finite and is recorded, as `keras.Model` records it). The step's state
+        (`skipped_steps`, `loss_scale`, `{task}_weight`) is kept.
+
+        `logs` values may be tensors, `keras.Variable`s, NumPy values or Python numbers.
+        """
         kept = {m.name for m in (self.metrics.skipped_steps, self.metrics.loss_scale) if m}
         kept.update(m.name for m in self.metrics.weights)
         none = ops.logical_and(
             ops.equal(self.applied_in_epoch, 0), ops.greater(self.skipped_in_epoch, 0)
         )
-
-        def nan_if_none(name, value):
-            if name in kept or not tf.is_tensor(value) or not value.dtype.is_floating:
-                return value
-            return ops.where(none, ops.cast(float("nan"), value.dtype), value)
-
-        return {name: nan_if_none(name, value) for name, value in logs.items()}
+        return {
+            name: _nan_if(none, value) if name not in kept else value
+            for name, value in logs.items()
+        }
 
     # ------------------------------------------------------------------ loss weighting
 
@@ -293,6 +342,39 @@ class TrainingStep:
             yield
         finally:
             self.own_step = before
+
+
+def _check_arguments(method, variables, optimizer):
+    """The variables as a list, once `variables` and `optimizer` are what `method` needs."""
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise TypeError(
+            f"`{method}` needs a `keras.optimizers.Optimizer` instance as `optimizer` (default: "
+            "`model.optimizer`); create it once, outside `train_step` (e.g. in `compile`). "
+            f"Received: optimizer={optimizer!r}"
+        )
+    if isinstance(variables, keras.Variable) or tf.is_tensor(variables):
+        variables = [variables]
+    variables = list(variables)
+    wrong = [v for v in variables if not isinstance(v, (keras.Variable, tf.Variable))]
+    if not variables or wrong:
+        raise TypeError(
+            f"`{method}` needs a non-empty list of variables to update. "
+            f"Received: variables={wrong or variables!r}"
+        )
+    return variables
+
+
+def _nan_if(none, value):
+    """`value` as NaN where `none` holds, for a floating value of any kind; others as given."""
+    if isinstance(value, keras.Variable):
+        value = value.value
+    elif isinstance(value, (float, np.floating)) or (
+        isinstance(value, np.ndarray) and value.dtype.kind == "f"
+    ):
+        value = ops.convert_to_tensor(value)
+    if not tf.is_tensor(value) or not tf.as_dtype(value.dtype).is_floating:
+        return value
+    return ops.where(none, ops.cast(float("nan"), value.dtype), value)
 
 
 def build(model, settings) -> TrainingStep:

@@ -127,6 +127,13 @@ def decide(step, optimizer, grad_norm, global_losses, grads, variables):
     return Decision(applied, skipped, loss_finite, allowed)
 
 
+def overflowed(decision):
+    """Scalar bool tensor: the step was skipped for a loss-scale overflow (finite loss)."""
+    if decision.loss_finite is None:
+        return tf.constant(False)
+    return ops.logical_and(decision.skipped, decision.loss_finite)
+
+
 def _halted_before(policy, state):
     """The halt flag as the step begins (bool scalar tensor), `None` under `"skip"`.
 
@@ -175,9 +182,9 @@ def record_skip(step, optimizer, decision, grads, variables):
             that is not finite; computed only for the first skipped step of a report).
     """
     policy, state, iterations = step.nonfinite, step.state, optimizer.iterations
-    skipped, loss_finite = decision.skipped, decision.loss_finite
+    skipped = decision.skipped
     state.skipped_steps.assign_add(ops.cast(skipped, "int64"))
-    overflow = tf.constant(False) if loss_finite is None else ops.logical_and(skipped, loss_finite)
+    overflow = overflowed(decision)
     real = ops.logical_and(skipped, ops.logical_not(overflow))
     if policy != "skip":
         real = tf.constant(False)
