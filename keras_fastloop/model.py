@@ -84,8 +84,9 @@ class OptimizedModel(OptimizedTrainer, keras.Model):
     feature is on (or asked for with `compile(log_metrics=[...])`): `objective` and
     `{task}_weight` (with `loss_weighting`: the method's own objective and weights),
     `grad_norm` (global L2 norm of the unscaled, cross-replica gradient before clipping),
-    `skipped_steps` (updates skipped for non-finite gradients) and `loss_scale`. All are
-    Keras metrics: synchronised across replicas and reset every epoch like Keras' own.
+    `skipped_steps` (updates skipped for non-finite gradients) and `loss_scale`. The step
+    statistics are not in `model.metrics` (only the step writes them); they are synchronised
+    across replicas and reset every epoch like Keras' own metrics.
 
     Example:
         >>> inputs = keras.Input((64,))

@@ -92,8 +92,10 @@ class StepMetrics:
     """The step's optional metrics (training only; never part of `evaluate`'s logs).
 
     A plain container, not a Keras object, so Keras' tracking and saving do not adopt the
-    metrics: they are reset and synchronised like Keras' own because the model lists them in
-    `model.metrics` while training.
+    metrics, and not in `model.metrics`, so a custom step's loop over `self.metrics` cannot
+    update them: only the stages write them. `TrainingStep.reset` resets them at each epoch's
+    start and `TrainingStep.logs` adds them to the logs. What must survive a checkpoint lives
+    elsewhere: `skipped_steps` in `StepState`, the loss scale in the optimizer.
     """
 
     def __init__(self, names):
