@@ -92,19 +92,32 @@ def test_guide_step_logs_the_true_mean_grad_norm_to_stock_callbacks(tmp_path, st
         steps_per_execution=steps_per_execution,
     )
     assert "grad_norm" not in [m.name for m in model.metrics]
-    path = tmp_path / "log.csv"
+    path, batches = tmp_path / "log.csv", []
     history = model.fit(
         x,
         y,
         batch_size=16,
         epochs=2,
         shuffle=False,
-        verbose=0,
-        callbacks=[keras.callbacks.CSVLogger(str(path))],
+        verbose=2,
+        callbacks=[
+            keras.callbacks.CSVLogger(str(path)),
+            keras.callbacks.TensorBoard(str(tmp_path / "tb")),
+            keras.callbacks.LambdaCallback(on_train_batch_end=lambda b, logs: batches.append(logs)),
+        ],
     )
     np.testing.assert_allclose(history.history["grad_norm"], means, rtol=1e-5)
     rows = list(csv.DictReader(path.open()))
     np.testing.assert_allclose([float(r["grad_norm"]) for r in rows], means, rtol=1e-5)
+    assert batches and all("grad_norm" in logs for logs in batches)  # what the progress bar reads
+    written = [
+        float(tf.make_ndarray(value.tensor))
+        for event_file in sorted((tmp_path / "tb" / "train").glob("events.out.tfevents.*"))
+        for event in tf.compat.v1.train.summary_iterator(str(event_file))
+        for value in event.summary.value
+        if value.tag == "epoch_grad_norm"
+    ]
+    np.testing.assert_allclose(written, means, rtol=1e-5)
     logs = model.evaluate(x, y, batch_size=16, verbose=0, return_dict=True)
     assert set(logs) == {"loss"}
 
