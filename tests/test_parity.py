@@ -595,11 +595,11 @@ def _single_softmax(cls):
     return cls(i, keras.layers.Dense(3, activation="softmax")(keras.layers.Dense(8)(i)))
 
 
-def test_mixed_float16_overflow_steps_update_weights_like_keras_and_skip_the_logs():
+def test_mixed_float16_overflow_steps_update_weights_and_log_like_keras():
     """Under mixed_float16 the loss scale starts at 2**15 and an early step overflows.
     keras.Model and ours skip the same updates and halve the scale alike (identical weights);
-    ours also leaves those batches out of the logged loss and metrics (deviation 1),
-    so only an epoch with an overflow logs differently."""
+    an overflow is routine (the loss is finite), so its batch is in the logged loss and
+    metrics as in keras.Model: every epoch logs Keras' values."""
     keras.config.set_dtype_policy("mixed_float16")  # conftest resets it after the test
     rng = np.random.default_rng(0)
     x = rng.normal(size=(48, 4)).astype("float32")
@@ -623,11 +623,8 @@ def test_mixed_float16_overflow_steps_update_weights_like_keras_and_skip_the_log
     )
     skipped = np.diff([0.0] + h["skipped_steps"])  # the logged count is the running total
     assert skipped[0] > 0
-    clean = [e for e in range(len(skipped)) if skipped[e] == 0]
-    assert clean, skipped
-    assert not np.allclose(h["loss"][0], h_ref["loss"][0])
     for key in ("loss", "accuracy"):
-        np.testing.assert_allclose([h[key][e] for e in clean], [h_ref[key][e] for e in clean])
+        np.testing.assert_allclose(h[key], h_ref[key], rtol=1e-6, err_msg=key)
 
 
 # --------------------------------------------- subclass hooks: compute_metrics, own train_step
