@@ -140,6 +140,22 @@ class OptimizedSequential(OptimizedTrainer, keras.Sequential):
     """
 
 
+def _optimized_class(cls):
+    """The class a model of class `cls` becomes under `optimized`.
+
+    Keras' own `Functional` and `Sequential` become `OptimizedModel` (functional) and
+    `OptimizedSequential`: registered classes whose `compile` knows the step's options, so the
+    saved file loads back with the step, its options and its state (a file naming `Functional`
+    would be compiled by `keras.Model.compile`, which refuses them). Any other class becomes
+    its trainer variant (`_trainer_variant`).
+    """
+    if cls is internals.Functional:
+        return _functional_variant(OptimizedModel)
+    if cls is keras.Sequential:
+        return OptimizedSequential
+    return _trainer_variant(cls)
+
+
 _TRAINER_VARIANTS = {}
 # Methods a model's own class keeps over the trainer's (its step, its loss, its metrics).
 _CLASS_OWN = ("train_step", "test_step", "compute_loss", "compute_metrics")
@@ -199,7 +215,7 @@ def optimized(model: keras.Model, **options: Any) -> keras.Model:
             f"them to `model.compile(...)`. Received: {sorted(options)}"
         )
     if not isinstance(model, OptimizedTrainer):
-        model.__class__ = _trainer_variant(type(model))
+        model.__class__ = _optimized_class(type(model))
     if model.compiled:
         config = dict(model._compile_config.config)
         config["optimizer"] = model.optimizer  # the same object: its state is kept
