@@ -186,8 +186,11 @@ def optimized(model: keras.Model, **options: Any) -> keras.Model:
     Works for functional, Sequential and subclassed models, KerasHub tasks and models loaded
     with `keras.saving.load_model` (their optimizer state included). The model keeps its
     weights, its class' behaviour (a task's preprocessor, `generate`, custom methods; its own
-    `train_step` if it has one) and saves and loads as its class; with every option off it
-    trains exactly as before. A compiled model is compiled again with its own arguments (the
+    `train_step` if it has one) and saves and loads as its class with the step and its
+    options; Keras' own functional and Sequential models become `OptimizedModel` and
+    `OptimizedSequential` (their file names the class whose `compile` knows the options, so
+    `keras.saving.load_model` needs no `custom_objects`). With every option off it trains
+    exactly as before. A compiled model is compiled again with its own arguments (the
     same optimizer object, so its state is kept) plus `options`.
 
     Args:
@@ -197,7 +200,8 @@ def optimized(model: keras.Model, **options: Any) -> keras.Model:
             that is not compiled yet, pass them to its `compile()` instead.
 
     Returns:
-        `model` itself, now an instance of its class with `OptimizedTrainer` mixed in.
+        `model` itself, now an instance of its class with `OptimizedTrainer` mixed in
+        (`OptimizedModel`/`OptimizedSequential` for a stock functional/Sequential model).
 
     Raises:
         TypeError: `model` is not a `keras.Model`.

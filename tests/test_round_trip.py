@@ -32,7 +32,10 @@ def _inputs_outputs(two_outputs=False):
     hidden = keras.layers.Dense(8, activation="relu")(inputs)
     if not two_outputs:
         return inputs, keras.layers.Dense(2, activation="softmax")(hidden)
-    return inputs, [keras.layers.Dense(2, activation="softmax")(hidden), keras.layers.Dense(1)(hidden)]
+    return inputs, [
+        keras.layers.Dense(2, activation="softmax")(hidden),
+        keras.layers.Dense(1)(hidden),
+    ]
 
 
 @keras.saving.register_keras_serializable("test_round_trip")
@@ -55,8 +58,26 @@ class OwnStep(kf.OptimizedModel):
         return self.compute_metrics(x, y, self(x), None)
 
 
+@keras.saving.register_keras_serializable("test_round_trip")
+class TwoHeads(kf.OptimizedModel):
+    """A subclassed two-output model (issue 51 item 7)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.hidden = keras.layers.Dense(8, activation="relu")
+        self.heads = [keras.layers.Dense(2, activation="softmax"), keras.layers.Dense(1)]
+
+    def call(self, x):
+        hidden = self.hidden(x)
+        return [head(hidden) for head in self.heads]
+
+
 def _compile(model, two_outputs=False, **extra):
-    loss = ["sparse_categorical_crossentropy", "mse"] if two_outputs else "sparse_categorical_crossentropy"
+    loss = (
+        ["sparse_categorical_crossentropy", "mse"]
+        if two_outputs
+        else "sparse_categorical_crossentropy"
+    )
     model.compile(keras.optimizers.Adam(0.01), loss, **extra)
     return model
 
@@ -91,9 +112,9 @@ def _optimized_sequential(tmp_path):
     return kf.optimized(_compile(keras.Sequential(_layers())), **OPTIONS)
 
 
-def _weighted(method, **extra):
+def _weighted(method, subclassed=False, **extra):
     def build(tmp_path):
-        model = kf.OptimizedModel(*_inputs_outputs(two_outputs=True))
+        model = TwoHeads() if subclassed else kf.OptimizedModel(*_inputs_outputs(two_outputs=True))
         return _compile(model, two_outputs=True, loss_weighting=method, **extra, **OPTIONS)
 
     build.two_outputs = True
@@ -109,6 +130,7 @@ PATHS = {
     "optimized_sequential": _optimized_sequential,
     "uw": _weighted("uw", micro_batch_size=8),
     "pcgrad": _weighted("pcgrad"),
+    "subclassed_uw": _weighted("uw", subclassed=True, micro_batch_size=8),
 }
 
 
@@ -153,3 +175,20 @@ def test_summary_and_config_round_trip(path, tmp_path, capsys):
     again = type(model).from_config(copy.deepcopy(config))  # Functional's pops keys
     assert type(again).__name__ == type(model).__name__
     assert again.get_config() == config
+
+
+# Keras' clone_model rebuilds a Sequential as a stock `keras.Sequential` and compiles it with
+# the original's compile config (keras-team/keras#20888), whose compile refuses the step's options.
+_CLONE_REFUSED = {"sequential", "optimized_sequential"}
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_clone_model(path, tmp_path):
+    model = PATHS[path](tmp_path)
+    if path in _CLONE_REFUSED:
+        with pytest.raises(TypeError, match="gradient_clipping"):
+            keras.models.clone_model(model)
+        return
+    clone = keras.models.clone_model(model)
+    assert isinstance(clone, kf.OptimizedTrainer)
+    assert _compile_options(clone)[1:] == _compile_options(model)[1:]
