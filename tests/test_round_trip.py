@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import copy
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
-import keras
 import keras_fastloop as kf
 
 OPTIONS = {"gradient_clipping": 1.0, "log_metrics": ["grad_norm"], "nonfinite": "raise"}
