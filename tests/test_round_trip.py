@@ -55,7 +55,10 @@ class OwnStep(kf.OptimizedModel):
         with tf.GradientTape() as tape:
             loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True))
         self.fastloop_step.minimize(loss, self.trainable_variables, tape)
-        return self.compute_metrics(x, y, self(x), None)
+        for metric in self.metrics:
+            if metric.name == "loss":
+                metric.update_state(loss)
+        return {metric.name: metric.result() for metric in self.metrics}
 
 
 @keras.saving.register_keras_serializable("test_round_trip")
@@ -225,3 +228,21 @@ def test_clone_model(path, tmp_path):
     clone = keras.models.clone_model(model)
     assert isinstance(clone, kf.OptimizedTrainer)
     assert _compile_options(clone)[1:] == _compile_options(model)[1:]
+
+
+@pytest.mark.parametrize(
+    "path", [name for name in PATHS if not getattr(PATHS[name], "two_outputs", False)]
+)
+def test_logged_loss_and_grad_norm_equal_hand_computed(path, tmp_path):
+    keras.utils.set_random_seed(5)
+    model = PATHS[path](tmp_path)
+    x, y = _data()
+    model(x[:1])
+    with tf.GradientTape() as tape:
+        loss = keras.losses.sparse_categorical_crossentropy(y, model(x, training=True))
+        loss = tf.reduce_mean(loss)
+    norm = tf.linalg.global_norm(tape.gradient(loss, model.trainable_variables))
+    logs = model.fit(x, y, batch_size=len(x), epochs=1, shuffle=False, verbose=0).history
+    assert sorted(logs) == ["grad_norm", "loss"]
+    np.testing.assert_allclose(logs["loss"][0], float(loss), rtol=1e-6)
+    np.testing.assert_allclose(logs["grad_norm"][0], float(norm), rtol=1e-5)
