@@ -94,6 +94,8 @@ def _compile(model, two_outputs=False, **extra):
         if two_outputs
         else "sparse_categorical_crossentropy"
     )
+    if not model.built:  # a subclassed model: BackupAndRestore needs it built
+        model(np.zeros((1, 64), "float32"))
     model.compile(keras.optimizers.Adam(0.01), loss, **extra)
     return model
 
@@ -155,10 +157,18 @@ PATHS = {
 }
 
 
-def _fit(model, build, epochs):
+def _fit(model, build, epochs, callbacks=()):
     x, y = _data()
     targets = [y, y[:, None].astype("float32")] if getattr(build, "two_outputs", False) else y
-    return model.fit(x, targets, batch_size=16, epochs=epochs, shuffle=False, verbose=0)
+    return model.fit(
+        x,
+        targets,
+        batch_size=16,
+        epochs=epochs,
+        shuffle=False,
+        verbose=0,
+        callbacks=list(callbacks),
+    )
 
 
 def _trained(build, tmp_path, epochs):
@@ -246,3 +256,30 @@ def test_logged_loss_and_grad_norm_equal_hand_computed(path, tmp_path):
     assert sorted(logs) == ["grad_norm", "loss"]
     np.testing.assert_allclose(logs["loss"][0], float(loss), rtol=1e-6)
     np.testing.assert_allclose(logs["grad_norm"][0], float(norm), rtol=1e-5)
+
+
+class _Interrupt(keras.callbacks.Callback):
+    """Stops `fit` with an exception after `batch` batches of the second epoch (a mid-epoch kill)."""
+
+    def __init__(self, batch):
+        super().__init__()
+        self.batch = batch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.model.optimizer.iterations.numpy() == 4 + self.batch:
+            raise RuntimeError("interrupted")
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_backup_and_restore_mid_epoch_resume_equals_uninterrupted(path, tmp_path):
+    build = PATHS[path]
+    whole = _trained(build, tmp_path, epochs=2)
+    backup = keras.callbacks.BackupAndRestore(str(tmp_path / "backup"), save_freq=1)
+    keras.utils.set_random_seed(5)
+    with pytest.raises(RuntimeError, match="interrupted"):
+        _fit(build(tmp_path), build, epochs=2, callbacks=[backup, _Interrupt(2)])
+    keras.utils.set_random_seed(5)
+    resumed = build(tmp_path)
+    _fit(resumed, build, epochs=2, callbacks=[backup])
+    for got, want in zip(resumed.get_weights(), whole.get_weights()):
+        np.testing.assert_allclose(got, want, atol=1e-6, rtol=0)
