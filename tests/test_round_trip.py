@@ -1,9 +1,14 @@
-"""Every path a user takes survives fit -> save -> load_model -> fit (issue 51).
+"""Every path a user takes survives the round trip (issue 51).
 
-Each cell trains a small model on real data (`load_digits_data`, a 64-feature slice) with the
-step's options on, saves it mid-training, loads it with `keras.saving.load_model` and no
-`custom_objects`, and continues: the weights must equal an uninterrupted run's (1e-6); the
-loaded model keeps its class name, its options and its step state.
+Paths (`PATHS`): the default functional step, an own `train_step` calling
+`fastloop_step.minimize`, `kf.optimized` of a stock, a loaded and a subclassed model,
+`OptimizedSequential`, `kf.optimized(keras.Sequential)`, UW and PCGrad, and a subclassed UW
+model with `micro_batch_size`; all with `gradient_clipping`, `log_metrics` and
+`nonfinite="raise"`, on real data (`load_digits_data`, 64 images, 64 pixels each). Checked:
+fit -> save -> `load_model` (no `custom_objects`) -> fit equals fit uninterrupted (1e-6) with the
+options kept; a mid-epoch interruption resumed by `BackupAndRestore` equals uninterrupted; the
+logged `loss` and `grad_norm` equal a `GradientTape` computation; `summary`,
+`get_config`/`from_config`, `clone_model`. Cells Keras cannot pass say why.
 """
 
 from __future__ import annotations
