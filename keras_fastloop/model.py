@@ -141,6 +141,22 @@ class OptimizedSequential(OptimizedTrainer, keras.Sequential):
     """
 
 
+def _optimized_class(cls):
+    """The class a model of class `cls` becomes under `optimized`.
+
+    Keras' own `Functional` and `Sequential` become `OptimizedModel` (functional) and
+    `OptimizedSequential`: registered classes whose `compile` knows the step's options, so the
+    saved file loads back with the step, its options and its state (a file naming `Functional`
+    would be compiled by `keras.Model.compile`, which refuses them). Any other class becomes
+    its trainer variant (`_trainer_variant`).
+    """
+    if cls is internals.Functional:
+        return _functional_variant(OptimizedModel)
+    if cls is keras.Sequential:
+        return OptimizedSequential
+    return _trainer_variant(cls)
+
+
 _TRAINER_VARIANTS = {}
 # Methods a model's own class keeps over the trainer's (its step, its loss, its metrics).
 _CLASS_OWN = ("train_step", "test_step", "compute_loss", "compute_metrics")
@@ -171,8 +187,11 @@ def optimized(model: keras.Model, **options: Any) -> keras.Model:
     Works for functional, Sequential and subclassed models, KerasHub tasks and models loaded
     with `keras.saving.load_model` (their optimizer state included). The model keeps its
     weights, its class' behaviour (a task's preprocessor, `generate`, custom methods; its own
-    `train_step` if it has one) and saves and loads as its class; with every option off it
-    trains exactly as before. A compiled model is compiled again with its own arguments (the
+    `train_step` if it has one) and saves and loads as its class with the step and its
+    options; Keras' own functional and Sequential models become `OptimizedModel` and
+    `OptimizedSequential` (their file names the class whose `compile` knows the options, so
+    `keras.saving.load_model` needs no `custom_objects`). With every option off it trains
+    exactly as before. A compiled model is compiled again with its own arguments (the
     same optimizer object, so its state is kept) plus `options`.
 
     Args:
@@ -182,7 +201,8 @@ def optimized(model: keras.Model, **options: Any) -> keras.Model:
             that is not compiled yet, pass them to its `compile()` instead.
 
     Returns:
-        `model` itself, now an instance of its class with `OptimizedTrainer` mixed in.
+        `model` itself, now an instance of its class with `OptimizedTrainer` mixed in
+        (`OptimizedModel`/`OptimizedSequential` for a stock functional/Sequential model).
 
     Raises:
         TypeError: `model` is not a `keras.Model`.
@@ -200,7 +220,7 @@ def optimized(model: keras.Model, **options: Any) -> keras.Model:
             f"them to `model.compile(...)`. Received: {sorted(options)}"
         )
     if not isinstance(model, OptimizedTrainer):
-        model.__class__ = _trainer_variant(type(model))
+        model.__class__ = _optimized_class(type(model))
     if model.compiled:
         config = dict(model._compile_config.config)
         config["optimizer"] = model.optimizer  # the same object: its state is kept

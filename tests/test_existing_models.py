@@ -53,10 +53,10 @@ def test_stock_saved_model_continues_through_optimized(build, tmp_path):
     assert isinstance(ours, kf.OptimizedTrainer) and isinstance(ours, type(reference))
     assert int(ours.optimizer.iterations.numpy()) == 4  # the optimizer state came along
     assert_same(history_and_weights(reference, x, y), history_and_weights(ours, x, y))
-    # saves and loads as itself: the stock class
+    # saves and loads with the step: as OptimizedModel / OptimizedSequential
     ours.save(tmp_path / "again.keras")
     again = keras.saving.load_model(tmp_path / "again.keras")
-    assert type(again) is type(reference)
+    assert type(again) is type(ours) and isinstance(again, type(reference))
 
 
 def test_optimized_model_shares_weights_and_takes_options():
