@@ -1,5 +1,3 @@
-# Over 500 lines on purpose: every method's pure `T x T` solver in one module (as optax's
-# transforms), so that they share the simplex projection and are read and tested side by side.
 """Pure Gram-space solvers of the gradient-based methods (as optax's transforms).
 
 Each takes the tasks' `T x T` Gram matrix (and the method's hyperparameters) and returns the
@@ -12,23 +10,12 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
+from keras_fastloop.weighting._simplex import nonnegative_quadratic, project_to_simplex
+
 _EPS = 1e-8
 
 
 # ------------------------------------------------------------------------------ pure solvers
-
-
-def project_to_simplex(v):
-    """Euclidean projection of a vector onto the probability simplex (sort-based, exact)."""
-    v = tf.convert_to_tensor(v)
-    n = v.shape[-1]
-    u = tf.sort(v, direction="DESCENDING")
-    css = tf.cumsum(u)
-    j = tf.range(1, n + 1, dtype=v.dtype)
-    rho = tf.reduce_sum(tf.cast(u - (css - 1.0) / j > 0, tf.int32))
-    rho = tf.maximum(rho, 1)
-    theta = (tf.gather(css, rho - 1) - 1.0) / tf.cast(rho, v.dtype)
-    return tf.maximum(v - theta, 0.0)
 
 
 def pcgrad_weights(gram, order):
@@ -314,72 +301,6 @@ def aligned_mtl_weights(gram, scale_mode="min"):
     return tf.where(trace > 0.0, beta, tf.zeros_like(beta))
 
 
-def nonnegative_quadratic(m, c, max_iter=None, tolerance=1e-6):
-    """`argmin_{z >= 0} z^T M z / 2 + c^T z` (Lawson & Hanson's active-set method, Gram form).
-
-    Exact (up to float rounding) once the right free set is found; every outer iteration frees
-    the coordinate with the largest descent, the inner loop keeps the iterate feasible.
-
-    Args:
-        m: `(T, T)` symmetric positive (semi-)definite matrix.
-        c: `(T,)` linear term.
-        max_iter: outer iterations at most (default `3 T`).
-        tolerance: a coordinate is freed while its negative gradient exceeds this.
-
-    Returns:
-        `z` of shape `(T,)`.
-    """
-    t = m.shape[0]
-    max_iter = 3 * t if max_iter is None else max_iter
-    eye = tf.eye(t, dtype=m.dtype)
-    index = tf.range(t)
-
-    def solve_free(free):
-        both = tf.logical_and(free[:, None], free[None, :])
-        a = tf.where(both, m, eye)
-        s = tf.linalg.solve(a, tf.where(free, -c, 0.0)[:, None])[:, 0]
-        return tf.where(free, s, 0.0)
-
-    def descent(z):
-        return -(tf.linalg.matvec(m, z) + c)
-
-    def inner_body(n, z, free, done):
-        s = solve_free(free)
-        ok = tf.reduce_all(tf.logical_or(tf.logical_not(free), s > 0.0))
-        bad = tf.logical_and(free, s <= 0.0)
-        gap = z - s
-        ratio = tf.where(tf.logical_and(bad, gap > 0.0), z / tf.where(gap > 0.0, gap, 1.0), 0.0)
-        ratio = tf.where(bad, ratio, np.inf)
-        alpha = tf.clip_by_value(tf.reduce_min(ratio), 0.0, 1.0)
-        leaving = tf.argmin(ratio, output_type=tf.int32)
-        moved = z + alpha * (s - z)
-        still = tf.logical_and(tf.logical_and(free, moved > 0.0), tf.not_equal(index, leaving))
-        new_free = tf.where(ok, free, still)
-        new_z = tf.where(ok, s, tf.where(still, moved, 0.0))
-        return n + 1, new_z, new_free, ok
-
-    def outer_cond(k, z, free):
-        w = descent(z)
-        return tf.logical_and(
-            k < max_iter, tf.reduce_any(tf.logical_and(tf.logical_not(free), w > tolerance))
-        )
-
-    def outer_body(k, z, free):
-        w = descent(z)
-        j = tf.argmax(tf.where(free, -np.inf, w), output_type=tf.int32)
-        free = tf.logical_or(free, tf.equal(index, j))
-        _, z, free, _ = tf.while_loop(
-            lambda n, z, free, done: tf.logical_and(tf.logical_not(done), n <= t),
-            inner_body,
-            (0, z, free, tf.constant(False)),
-        )
-        return k + 1, z, free
-
-    init = (0, tf.zeros((t,), m.dtype), tf.zeros((t,), tf.bool))
-    _, z, _ = tf.while_loop(outer_cond, outer_body, init)
-    return z
-
-
 def upgrad_weights(gram, norm_eps=1e-4, reg_eps=1e-4, pref_vector=None):
     """UPGrad: each task gradient projected onto the dual cone of all of them, combined.
 
@@ -426,7 +347,7 @@ _nash_mtl_weights_xla = tf.function(nash_mtl_weights, jit_compile=True, autograp
 _upgrad_weights_xla = tf.function(upgrad_weights, jit_compile=True, autograph=False)
 
 
-# ------------------------------------------------------------------------------ the base
+# ------------------------------------------------------------ clipping of the combined update
 
 
 def clip_factor(beta, gram, max_norm):

@@ -1,5 +1,5 @@
 """GradVac (Wang et al., ICLR 2021): a gradient-based method with a Gram matrix per group of
-shared variables (`keras_fastloop.weighting._task_gradients`)."""
+shared variables (`keras_fastloop.weighting._gradient`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ from keras import ops
 
 from keras_fastloop._replicas import state_variable
 from keras_fastloop.weighting import _gradient, _utils
-from keras_fastloop.weighting import _task_gradients as tg
 from keras_fastloop.weighting._gradient import GradientWeighting
 from keras_fastloop.weighting._solvers import _gradvac_weights_xla
 from keras_fastloop.weighting.base import _PACKAGE
@@ -125,16 +124,16 @@ class GradVac(GradientWeighting):
         self.weights.assign(ops.mean(coefficients, axis=0))
         position = {u: n for n, u in enumerate(used)}
         shared_terms = {
-            k: ops.sum(ops.stack(tg.weighted_sum(per_task, k, coefficients[position[g]])), 0)
+            k: ops.sum(ops.stack(_gradient.weighted_sum(per_task, k, coefficients[position[g]])), 0)
             for k, g in zip(shared, groups)
         }
         ones = ops.ones((t,), "float32")
-        regularization = tg.regularization_gradients(tape, objective, variables)
-        return tg.assemble(
-            len(variables),
+        return _gradient.assemble(
+            tape,
+            objective,
+            variables,
+            lambda k: _gradient.weighted_sum(per_task, k, ones),
             shared_terms,
-            lambda k: tg.weighted_sum(per_task, k, ones),
-            regularization,
         )
 
     def update(self, losses):

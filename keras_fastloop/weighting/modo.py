@@ -1,5 +1,5 @@
 """MoDo (Chen et al., NeurIPS 2023): double sampling on three parts of the batch
-(`keras_fastloop.weighting._task_gradients.PartsWeighting`)."""
+(`keras_fastloop.weighting._gradient`)."""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ import tensorflow as tf
 
 from keras_fastloop._replicas import state_variable
 from keras_fastloop.weighting import _utils
+from keras_fastloop.weighting._gradient import GradientWeighting, cross_gram
 from keras_fastloop.weighting._solvers import _modo_weights_xla
-from keras_fastloop.weighting._task_gradients import PartsWeighting, cross_gram
 from keras_fastloop.weighting.base import _PACKAGE
 
 
 @keras.saving.register_keras_serializable(package=_PACKAGE)
-class MoDo(PartsWeighting):
+class MoDo(GradientWeighting):
     """MoDo: multi-objective gradient with double sampling (`modo`).
 
     Algorithm: LibMTL draws three batches per step; here they are the three consecutive
@@ -49,6 +49,7 @@ class MoDo(PartsWeighting):
     """
 
     name = "modo"
+    sub_batches = 3
 
     def __init__(self, gamma: float = 1e-3, rho: float = 0.1) -> None:
         super().__init__()
