@@ -362,7 +362,7 @@ def clip_factor(beta, gram, max_norm):
     return tf.where(norm > max_norm, max_norm / tf.where(norm > 0.0, norm, 1.0), 1.0)
 
 
-# ------------------------------------------------------------------ GradVac, FairGrad, MoDo, SDMGrad
+# ------------------------------------------------------------------------ FairGrad, SDMGrad
 
 
 def fairgrad_weights(gram, alpha=1.0, max_iter=50, tolerance=1e-12):
@@ -418,68 +418,6 @@ def fairgrad_weights(gram, alpha=1.0, max_iter=50, tolerance=1e-12):
 _fairgrad_weights_xla = tf.function(fairgrad_weights, jit_compile=True, autograph=False)
 
 
-def gradvac_weights(grams, targets, order, beta):
-    """GradVac as coefficients on the original task gradients, one set per group of variables.
-
-    For every task `i` (`c = e_i`, per group `k`) and every other task `j` in `order[i]`:
-    `rho = <g_i^vac, g_j> / (|g_i^vac| |g_j| + 1e-8)` on group `k`; if `rho < phi` (the
-    target `targets[i, j, k]`),
-    `g_i^vac += |g_i^vac| (phi sqrt(1 - rho^2) - rho sqrt(1 - phi^2)) /
-    (|g_j| sqrt(1 - phi^2) + 1e-8) g_j`; then (always) `phi <- (1 - beta) phi + beta rho`.
-    Every vector is a combination of the original gradients, tracked by its coefficients from
-    the group's Gram matrix.
-
-    Args:
-        grams: `(K, T, T)` Gram matrices of the task gradients, one per group.
-        targets: `(T, T, K)` EMA targets `phi` (LibMTL's `rho_T`).
-        order: `(T, T)` int tensor; row `i` is the order in which task `i` visits the tasks
-            (its own index is skipped).
-        beta: float, the EMA rate.
-
-    Returns:
-        `(coefficients, targets)`: `(K, T)` with group `k`'s update
-        `sum_i g_i^vac = sum_m coefficients[k, m] g_m`, and the new targets.
-    """
-    t = grams.shape[1]
-    dtype = grams.dtype
-    eye = tf.eye(t, dtype=dtype)
-    norms = tf.sqrt(tf.maximum(tf.linalg.diag_part(grams), 0.0))  # (K, T): |g_m| per group
-    total = tf.zeros((grams.shape[0], t), dtype)
-    for i in range(t):
-        c = tf.zeros_like(total) + eye[i]
-        for position in range(t):
-            j = order[i, position]
-            column = tf.gather(grams, j, axis=2)  # (K, T): <g_m, g_j>
-            dot = tf.reduce_sum(c * column, axis=1)
-            c_norm = tf.sqrt(tf.maximum(tf.reduce_sum(c * tf.linalg.matvec(grams, c), 1), 0.0))
-            j_norm = tf.gather(norms, j, axis=1)
-            rho = dot / (c_norm * j_norm + 1e-8)
-            phi = tf.gather_nd(targets, tf.stack([i, j]))  # (K,)
-            root_phi = tf.sqrt(tf.maximum(1.0 - phi * phi, 0.0))
-            root_rho = tf.sqrt(tf.maximum(1.0 - rho * rho, 0.0))
-            w = c_norm * (phi * root_rho - rho * root_phi) / (j_norm * root_phi + 1e-8)
-            other = tf.not_equal(j, i)
-            w = tf.where(tf.logical_and(other, rho < phi), w, 0.0)
-            c = c + w[:, None] * tf.gather(eye, j)[None, :]
-            new_phi = tf.where(other, (1.0 - beta) * phi + beta * rho, phi)
-            targets = tf.tensor_scatter_nd_update(targets, tf.stack([i, j])[None], new_phi[None])
-        total = total + c
-    return total, targets
-
-
-_gradvac_weights_xla = tf.function(gradvac_weights, jit_compile=True, autograph=False)
-
-
-def modo_weights(cross, weights, gamma, rho):
-    """One MoDo step: `Pi_simplex(lambda - gamma (C lambda + rho lambda))`.
-
-    `C_ij = <g_i^(1), g_j^(2)>` is the cross-Gram matrix of the first two parts' task
-    gradients (an unbiased estimate of `M`'s action when the parts are independent).
-    """
-    v = weights - gamma * (tf.linalg.matvec(cross, weights) + rho * weights)
-    return project_to_simplex(v - tf.reduce_max(v))  # shift-invariant, exact sums in float32
-
-
 def sdmgrad_weights(cross, weights, lamda, niter, learning_rate=5.0, momentum=0.5):
     """SDMGrad's weights after `niter` projected SGD steps with momentum (LibMTL's inner loop).
 
@@ -507,5 +445,4 @@ def sdmgrad_weights(cross, weights, lamda, niter, learning_rate=5.0, momentum=0.
     return w
 
 
-_modo_weights_xla = tf.function(modo_weights, jit_compile=True, autograph=False)
 _sdmgrad_weights_xla = tf.function(sdmgrad_weights, jit_compile=True, autograph=False)
