@@ -133,6 +133,11 @@ def part_losses(terms, parts):
     Raises:
         ValueError: for a prediction with a Keras mask (not split here).
     """
+    with tf.name_scope("part_losses"):  # a task's loss name is then never a root scope name
+        return _part_losses(terms, parts)
+
+
+def _part_losses(terms, parts):
     n = batch.batch_size(terms[0].y_pred)
     whole = n < parts
     result = []

@@ -1,7 +1,8 @@
-"""Gradient-based multi-task methods: GradNorm, PCGrad, CAGrad, MGDA, IMTL, Nash-MTL,
-Aligned-MTL and UPGrad.
+"""The base of every gradient-based method (`GradientWeighting`), its per-task gradients
+(`task_gradients`, `shared_rows`) and the assembly of the update (`assemble`).
 
-All of them act on the gradients of the *shared* variables and reduce to weights `beta` on the
+Gram-space methods (GradNorm, PCGrad, CAGrad, MGDA, IMTL, Nash-MTL, Aligned-MTL, UPGrad,
+FairGrad) act on the gradients of the *shared* variables and reduce to weights `beta` on the
 task gradients: the shared variables get `sum_i beta_i g_i` and `beta` is a function of
 the tasks' Gram matrix `M_ij = <g_i, g_j>` (plus the losses and the method's state). PCGrad's
 sequential projections, for instance, only ever subtract multiples of original task gradients,
@@ -48,9 +49,32 @@ LibMTL leaves them at 1) and IMTL the gradients of its scaled losses, `e^{s_i} g
 logged `{task}_weight` is `beta` (the effective weight of each task's shared gradient this
 step; e.g. MGDA's alphas) and the logged `loss` is `sum_i head_weight_i L_i` +
 regularization (plus IMTL's `-s_i` terms).
+
+Element-wise rules. DB-MTL (a running average of each task's gradient), ExcessMTL (an
+AdaGrad-style accumulator of each task's squared gradient) and GradDrop (a sign mask per
+parameter entry) are not functions of the Gram matrix: they override `gradients`, take the
+per-task gradients from `task_gradients` and return `assemble(...)`.
+
+Per-element state. A method that keeps state per shared entry sets `buffer_prefix`; `build`
+then creates, for every variable that may be shared (the given `shared_variables`, else every
+trainable variable of the model at `compile()`), a `(T, size)` float32 state variable and a
+second one for this step's value. The step writes the second one; `update`, which runs only on
+applied steps, commits it (`commit_buffers`), so a skipped step leaves the state unchanged.
+Memory: `2 T` copies of those variables.
+
+Parts of the batch. A method that sets `sub_batches = 3` (MoDo, SDMGrad) gets every task's
+loss on each of the batch's three consecutive parts (`part_losses`, see
+`keras_fastloop._step.objective.part_losses`) and implements `part_weights(rows)`: `beta` and
+the part whose gradients it weights, from the parts' shared rows. Heads get the mean of the
+parts' head gradients (as LibMTL's MoDo). Steps whose (first replica's) batch has fewer
+samples than parts, where every part is the whole batch, are counted and reported by a
+`FastloopWarning` at the end of the epoch.
 """
 
 from __future__ import annotations
+
+import warnings
+from typing import NamedTuple
 
 import keras
 import numpy as np
@@ -58,6 +82,8 @@ import tensorflow as tf
 from keras import ops
 
 from keras_fastloop import _replicas
+from keras_fastloop._replicas import state_variable
+from keras_fastloop._warnings import FastloopWarning
 from keras_fastloop.weighting.base import LossWeighting
 
 
@@ -97,6 +123,56 @@ def shared_rows(per_task, shared, variables, scale):
     return _replicas.all_reduce_sum(flat)
 
 
+def weighted_sum(per_task, k, weights):
+    """`weights[i] * per_task[i][k]` for the tasks that reach variable `k` (a list of terms,
+    empty when none does)."""
+    return [
+        ops.cast(weights[i], grads[k].dtype) * grads[k]
+        for i, grads in enumerate(per_task)
+        if grads[k] is not None
+    ]
+
+
+def assemble(tape, objective, variables, terms, shared_update=None):
+    """The step's gradients: for each variable `k` the sum of its terms and its regularization
+    gradient (`None` for a variable nothing reaches).
+
+    Args:
+        tape: the step's tape; `objective` (only regularization for these methods) is
+            differentiated once more for `variables`.
+        terms: callable `k -> list of tensors`, e.g. `weighted_sum(per_task, k, weights)`.
+        shared_update: optional dict from a variable's index to its whole (loss-scaled)
+            update; it replaces `terms(k)` for those variables.
+    """
+    regularization = tape.gradient(
+        objective, variables, unconnected_gradients=tf.UnconnectedGradients.NONE
+    )
+    shared_update = shared_update or {}
+    result = []
+    for k in range(len(variables)):
+        parts = [shared_update[k]] if k in shared_update else terms(k)
+        if regularization[k] is not None:
+            parts = [*parts, regularization[k]]
+        result.append(ops.sum(ops.stack(parts), axis=0) if parts else None)
+    return result
+
+
+def cross_gram(rows_a, rows_b):
+    """`C_ij = <a_i, b_j>` summed over the shared variables' rows."""
+    return sum(ops.matmul(a, ops.transpose(b)) for a, b in zip(rows_a, rows_b))
+
+
+class _ReportWholeBatches(keras.callbacks.Callback):
+    """Warns at an epoch's end when steps used their whole batch for every part."""
+
+    def __init__(self, method):
+        super().__init__()
+        self.method = method
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.method.report_whole_batches()
+
+
 def _resolve_shared(model, shared):
     if shared is None:
         return None
@@ -121,13 +197,25 @@ def _resolve_shared(model, shared):
     return variables
 
 
+class TaskGradients(NamedTuple):
+    """One step's per-task gradients (see `GradientWeighting.task_gradients`)."""
+
+    per_task: list  # per task, per variable: the local loss-scaled gradient or None
+    shared: list  # indices of the shared variables
+    flat: list  # per shared variable: (T, size) float32, summed across replicas, unscaled
+    losses: object  # (T,) float32 global losses
+
+
 class GradientWeighting(LossWeighting):
     """Base of gradient-based methods: per-task gradients, Gram matrix, weights `beta`.
 
-    Subclasses implement `task_weights` and optionally `head_weights`.
+    Subclasses implement `task_weights` and optionally `head_weights`; a method with an
+    element-wise rule overrides `gradients` and sets `buffer_prefix` for per-element state
+    (see the module docstring).
     """
 
     requires_task_gradients = True
+    buffer_prefix = None
 
     def validate(self, model, task_names, shared_variables=None):
         super().validate(model, task_names, shared_variables)
@@ -139,6 +227,27 @@ class GradientWeighting(LossWeighting):
         step = getattr(model, "fastloop_step", None)
         self._given_shared = _resolve_shared(model, getattr(step, "shared_variables", None))
         self.shared_variable_paths = None  # set when the step is traced
+        if self.sub_batches > 1:
+            name = f"{self.name}_whole_batches"
+            self.whole_batches = state_variable(state, name, (), 0, "int64")
+        self._buffers = []
+        self._shared_in_trace = []
+        if self.buffer_prefix is None:
+            return
+        candidates = self.compiled_candidates(model)
+        if not candidates:
+            raise ValueError(
+                f"Loss weighting '{self.name}' keeps per-task state for every shared variable "
+                "and needs the model's variables at compile(): build the model first (call it "
+                "on a batch, or `model.build(input_shape)`) or pass `shared_variables`. "
+                f"Received: a model without trainable variables ({model.name})"
+            )
+        t = len(task_names)
+        for k, variable in enumerate(candidates):
+            size = int(np.prod(variable.shape))
+            current = state_variable(state, f"{self.buffer_prefix}_{k}", (t, size))
+            pending = state_variable(state, f"{self.buffer_prefix}_{k}_pending", (t, size))
+            self._buffers.append((variable, current, pending))
 
     def compiled_candidates(self, model):
         """The variables that may be shared, as known at `compile()`: `shared_variables` when
@@ -154,6 +263,66 @@ class GradientWeighting(LossWeighting):
             "did not exist at compile() (it has no state). Build the model before compile() "
             f"or pass `shared_variables`. Received: shared variable {variable.path!r}"
         )
+
+    def buffers(self, variable):
+        """`(state, pending)` variables of `variable`; a clear error for an unknown one."""
+        for candidate, current, pending in self._buffers:
+            if candidate is variable:
+                return current, pending
+        raise self.unknown_at_compile(variable)
+
+    def commit_buffers(self):
+        """Copy this step's pending per-element state into the state (in `update`)."""
+        for current, pending in self._shared_in_trace:
+            current.assign(pending)
+
+    def task_gradients(self, tape, losses, variables, scale_loss):
+        """Per-task gradients: `(TaskGradients, scale)`; `scale` is the loss scale."""
+        scale = loss_scale(scale_loss)
+        per_task = task_gradients(tape, losses, variables, scale)
+        shared = self._shared_indices(per_task, variables)
+        flat = shared_rows(per_task, shared, variables, scale)
+        global_losses = _replicas.all_reduce_sum([ops.cast(loss, "float32") for loss in losses])
+        if self.buffer_prefix is not None:
+            self._shared_in_trace = [self.buffers(variables[k]) for k in shared]
+        return TaskGradients(per_task, shared, flat, ops.stack(global_losses)), scale
+
+    def assemble(self, tape, objective, variables, grads, shared_update, head_weights):
+        """The step's gradients: `shared_update[k]` (local, loss-scaled) for shared variable
+        `k`, `sum_i head_weights_i g_i` for the others, plus the regularization gradients."""
+        return assemble(
+            tape,
+            objective,
+            variables,
+            lambda k: weighted_sum(grads.per_task, k, head_weights),
+            shared_update,
+        )
+
+    def weighted_sum(self, grads, k, weights):
+        """`sum_i weights_i g_i` of the local loss-scaled gradients of variable `k`."""
+        return ops.sum(ops.stack(weighted_sum(grads.per_task, k, weights)), axis=0)
+
+    def callbacks(self):
+        return [_ReportWholeBatches(self)] if self.sub_batches > 1 else []
+
+    def report_whole_batches(self):
+        """Warn (eagerly) if steps since the last report had batches of fewer than 3 samples."""
+        count = int(self.whole_batches.numpy())
+        if count:
+            self.whole_batches.assign(0)
+            warnings.warn(
+                f"{count} step(s) of '{self.name}' had batches of fewer than "
+                f"{self.sub_batches} samples (per replica): each of its {self.sub_batches} "
+                "parts was the whole batch, so its gradient estimates were not independent. "
+                f"Use a larger batch or drop the last partial batch. Received: "
+                f"loss_weighting='{self.name}'",
+                FastloopWarning,
+                stacklevel=2,
+            )
+
+    def part_weights(self, rows):
+        """`(beta, part)` from `rows[p][k]`, the `(T, size)` shared rows of part `p`."""
+        raise NotImplementedError
 
     def head_weights(self):
         """Weights of the task-specific variables' gradients (default: 1 per task)."""
@@ -187,33 +356,55 @@ class GradientWeighting(LossWeighting):
         self.shared_variable_paths = [variables[k].path for k in shared]
         return shared
 
-    def gradients(self, tape, losses, objective, variables, scale_loss):
+    def gradients(
+        self, tape, losses, objective, variables, scale_loss, part_losses=None, batch_size=None
+    ):
+        if self.sub_batches > 1:
+            return self.part_gradients(
+                tape, losses, objective, variables, scale_loss, part_losses, batch_size
+            )
         variables = list(variables)
-        scale = loss_scale(scale_loss)
-        per_task = task_gradients(tape, losses, variables, scale)
-        shared = self._shared_indices(per_task, variables)
-        flat = shared_rows(per_task, shared, variables, scale)
-        gram = ops.sum(ops.stack([ops.matmul(f, ops.transpose(f)) for f in flat]), axis=0)
-        global_losses = _replicas.all_reduce_sum([ops.cast(loss, "float32") for loss in losses])
-        beta = self.task_weights(gram, ops.stack(global_losses))
+        grads, _ = self.task_gradients(tape, losses, variables, scale_loss)
+        gram = ops.sum(ops.stack([ops.matmul(f, ops.transpose(f)) for f in grads.flat]), axis=0)
+        beta = self.task_weights(gram, grads.losses)
         self.weights.assign(beta)
         head = self.head_weights()
-        regularization = tape.gradient(
-            objective, variables, unconnected_gradients=tf.UnconnectedGradients.NONE
+        shared = set(grads.shared)
+        return assemble(
+            tape,
+            objective,
+            variables,
+            lambda k: weighted_sum(grads.per_task, k, beta if k in shared else head),
         )
-        shared = set(shared)
-        result = []
-        for k in range(len(variables)):
-            w = beta if k in shared else head
-            terms = [
-                ops.cast(w[i], grads[k].dtype) * grads[k]
-                for i, grads in enumerate(per_task)
-                if grads[k] is not None
-            ]
-            if regularization[k] is not None:
-                terms.append(regularization[k])
-            result.append(ops.sum(ops.stack(terms), axis=0) if terms else None)
-        return result
 
-
-# ------------------------------------------------------------------------------ the methods
+    def part_gradients(
+        self, tape, losses, objective, variables, scale_loss, part_losses=None, batch_size=None
+    ):
+        """The update of a method with `sub_batches > 1` (see the module docstring)."""
+        if part_losses is None or len(part_losses) != self.sub_batches:
+            raise RuntimeError(
+                f"Loss weighting '{self.name}' needs the tasks' losses on "
+                f"{self.sub_batches} parts of the batch, which OptimizedModel's step passes "
+                f"as `part_losses`. Received: part_losses={part_losses!r}"
+            )
+        if batch_size is not None:
+            whole = ops.cast(ops.less(batch_size, self.sub_batches), "int64")
+            self.whole_batches.assign_add(whole)
+        variables = list(variables)
+        scale = loss_scale(scale_loss)
+        parts = [task_gradients(tape, part, variables, scale) for part in part_losses]
+        shared = self._shared_indices(parts[0], variables)
+        rows = [shared_rows(part, shared, variables, scale) for part in parts]
+        beta, used = self.part_weights(rows)
+        self.weights.assign(beta)
+        shared_terms = {
+            k: ops.sum(ops.stack(weighted_sum(parts[used], k, beta)), axis=0) for k in shared
+        }
+        mean = ops.full((self.num_tasks,), 1.0 / len(parts), "float32")
+        return assemble(
+            tape,
+            objective,
+            variables,
+            lambda k: [term for part in parts for term in weighted_sum(part, k, mean)],
+            shared_terms,
+        )

@@ -1,5 +1,3 @@
-# Over 500 lines on purpose: every method's pure `T x T` solver in one module (as optax's
-# transforms), so that they share the simplex projection and are read and tested side by side.
 """Pure Gram-space solvers of the gradient-based methods (as optax's transforms).
 
 Each takes the tasks' `T x T` Gram matrix (and the method's hyperparameters) and returns the
@@ -12,23 +10,12 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
+from keras_fastloop.weighting._simplex import nonnegative_quadratic, project_to_simplex
+
 _EPS = 1e-8
 
 
 # ------------------------------------------------------------------------------ pure solvers
-
-
-def project_to_simplex(v):
-    """Euclidean projection of a vector onto the probability simplex (sort-based, exact)."""
-    v = tf.convert_to_tensor(v)
-    n = v.shape[-1]
-    u = tf.sort(v, direction="DESCENDING")
-    css = tf.cumsum(u)
-    j = tf.range(1, n + 1, dtype=v.dtype)
-    rho = tf.reduce_sum(tf.cast(u - (css - 1.0) / j > 0, tf.int32))
-    rho = tf.maximum(rho, 1)
-    theta = (tf.gather(css, rho - 1) - 1.0) / tf.cast(rho, v.dtype)
-    return tf.maximum(v - theta, 0.0)
 
 
 def pcgrad_weights(gram, order):
@@ -314,72 +301,6 @@ def aligned_mtl_weights(gram, scale_mode="min"):
     return tf.where(trace > 0.0, beta, tf.zeros_like(beta))
 
 
-def nonnegative_quadratic(m, c, max_iter=None, tolerance=1e-6):
-    """`argmin_{z >= 0} z^T M z / 2 + c^T z` (Lawson & Hanson's active-set method, Gram form).
-
-    Exact (up to float rounding) once the right free set is found; every outer iteration frees
-    the coordinate with the largest descent, the inner loop keeps the iterate feasible.
-
-    Args:
-        m: `(T, T)` symmetric positive (semi-)definite matrix.
-        c: `(T,)` linear term.
-        max_iter: outer iterations at most (default `3 T`).
-        tolerance: a coordinate is freed while its negative gradient exceeds this.
-
-    Returns:
-        `z` of shape `(T,)`.
-    """
-    t = m.shape[0]
-    max_iter = 3 * t if max_iter is None else max_iter
-    eye = tf.eye(t, dtype=m.dtype)
-    index = tf.range(t)
-
-    def solve_free(free):
-        both = tf.logical_and(free[:, None], free[None, :])
-        a = tf.where(both, m, eye)
-        s = tf.linalg.solve(a, tf.where(free, -c, 0.0)[:, None])[:, 0]
-        return tf.where(free, s, 0.0)
-
-    def descent(z):
-        return -(tf.linalg.matvec(m, z) + c)
-
-    def inner_body(n, z, free, done):
-        s = solve_free(free)
-        ok = tf.reduce_all(tf.logical_or(tf.logical_not(free), s > 0.0))
-        bad = tf.logical_and(free, s <= 0.0)
-        gap = z - s
-        ratio = tf.where(tf.logical_and(bad, gap > 0.0), z / tf.where(gap > 0.0, gap, 1.0), 0.0)
-        ratio = tf.where(bad, ratio, np.inf)
-        alpha = tf.clip_by_value(tf.reduce_min(ratio), 0.0, 1.0)
-        leaving = tf.argmin(ratio, output_type=tf.int32)
-        moved = z + alpha * (s - z)
-        still = tf.logical_and(tf.logical_and(free, moved > 0.0), tf.not_equal(index, leaving))
-        new_free = tf.where(ok, free, still)
-        new_z = tf.where(ok, s, tf.where(still, moved, 0.0))
-        return n + 1, new_z, new_free, ok
-
-    def outer_cond(k, z, free):
-        w = descent(z)
-        return tf.logical_and(
-            k < max_iter, tf.reduce_any(tf.logical_and(tf.logical_not(free), w > tolerance))
-        )
-
-    def outer_body(k, z, free):
-        w = descent(z)
-        j = tf.argmax(tf.where(free, -np.inf, w), output_type=tf.int32)
-        free = tf.logical_or(free, tf.equal(index, j))
-        _, z, free, _ = tf.while_loop(
-            lambda n, z, free, done: tf.logical_and(tf.logical_not(done), n <= t),
-            inner_body,
-            (0, z, free, tf.constant(False)),
-        )
-        return k + 1, z, free
-
-    init = (0, tf.zeros((t,), m.dtype), tf.zeros((t,), tf.bool))
-    _, z, _ = tf.while_loop(outer_cond, outer_body, init)
-    return z
-
-
 def upgrad_weights(gram, norm_eps=1e-4, reg_eps=1e-4, pref_vector=None):
     """UPGrad: each task gradient projected onto the dual cone of all of them, combined.
 
@@ -426,7 +347,7 @@ _nash_mtl_weights_xla = tf.function(nash_mtl_weights, jit_compile=True, autograp
 _upgrad_weights_xla = tf.function(upgrad_weights, jit_compile=True, autograph=False)
 
 
-# ------------------------------------------------------------------------------ the base
+# ------------------------------------------------------------ clipping of the combined update
 
 
 def clip_factor(beta, gram, max_norm):
@@ -441,7 +362,7 @@ def clip_factor(beta, gram, max_norm):
     return tf.where(norm > max_norm, max_norm / tf.where(norm > 0.0, norm, 1.0), 1.0)
 
 
-# ------------------------------------------------------------------ GradVac, FairGrad, MoDo, SDMGrad
+# ------------------------------------------------------------------------ FairGrad, SDMGrad
 
 
 def fairgrad_weights(gram, alpha=1.0, max_iter=50, tolerance=1e-12):
@@ -497,68 +418,6 @@ def fairgrad_weights(gram, alpha=1.0, max_iter=50, tolerance=1e-12):
 _fairgrad_weights_xla = tf.function(fairgrad_weights, jit_compile=True, autograph=False)
 
 
-def gradvac_weights(grams, targets, order, beta):
-    """GradVac as coefficients on the original task gradients, one set per group of variables.
-
-    For every task `i` (`c = e_i`, per group `k`) and every other task `j` in `order[i]`:
-    `rho = <g_i^vac, g_j> / (|g_i^vac| |g_j| + 1e-8)` on group `k`; if `rho < phi` (the
-    target `targets[i, j, k]`),
-    `g_i^vac += |g_i^vac| (phi sqrt(1 - rho^2) - rho sqrt(1 - phi^2)) /
-    (|g_j| sqrt(1 - phi^2) + 1e-8) g_j`; then (always) `phi <- (1 - beta) phi + beta rho`.
-    Every vector is a combination of the original gradients, tracked by its coefficients from
-    the group's Gram matrix.
-
-    Args:
-        grams: `(K, T, T)` Gram matrices of the task gradients, one per group.
-        targets: `(T, T, K)` EMA targets `phi` (LibMTL's `rho_T`).
-        order: `(T, T)` int tensor; row `i` is the order in which task `i` visits the tasks
-            (its own index is skipped).
-        beta: float, the EMA rate.
-
-    Returns:
-        `(coefficients, targets)`: `(K, T)` with group `k`'s update
-        `sum_i g_i^vac = sum_m coefficients[k, m] g_m`, and the new targets.
-    """
-    t = grams.shape[1]
-    dtype = grams.dtype
-    eye = tf.eye(t, dtype=dtype)
-    norms = tf.sqrt(tf.maximum(tf.linalg.diag_part(grams), 0.0))  # (K, T): |g_m| per group
-    total = tf.zeros((grams.shape[0], t), dtype)
-    for i in range(t):
-        c = tf.zeros_like(total) + eye[i]
-        for position in range(t):
-            j = order[i, position]
-            column = tf.gather(grams, j, axis=2)  # (K, T): <g_m, g_j>
-            dot = tf.reduce_sum(c * column, axis=1)
-            c_norm = tf.sqrt(tf.maximum(tf.reduce_sum(c * tf.linalg.matvec(grams, c), 1), 0.0))
-            j_norm = tf.gather(norms, j, axis=1)
-            rho = dot / (c_norm * j_norm + 1e-8)
-            phi = tf.gather_nd(targets, tf.stack([i, j]))  # (K,)
-            root_phi = tf.sqrt(tf.maximum(1.0 - phi * phi, 0.0))
-            root_rho = tf.sqrt(tf.maximum(1.0 - rho * rho, 0.0))
-            w = c_norm * (phi * root_rho - rho * root_phi) / (j_norm * root_phi + 1e-8)
-            other = tf.not_equal(j, i)
-            w = tf.where(tf.logical_and(other, rho < phi), w, 0.0)
-            c = c + w[:, None] * tf.gather(eye, j)[None, :]
-            new_phi = tf.where(other, (1.0 - beta) * phi + beta * rho, phi)
-            targets = tf.tensor_scatter_nd_update(targets, tf.stack([i, j])[None], new_phi[None])
-        total = total + c
-    return total, targets
-
-
-_gradvac_weights_xla = tf.function(gradvac_weights, jit_compile=True, autograph=False)
-
-
-def modo_weights(cross, weights, gamma, rho):
-    """One MoDo step: `Pi_simplex(lambda - gamma (C lambda + rho lambda))`.
-
-    `C_ij = <g_i^(1), g_j^(2)>` is the cross-Gram matrix of the first two parts' task
-    gradients (an unbiased estimate of `M`'s action when the parts are independent).
-    """
-    v = weights - gamma * (tf.linalg.matvec(cross, weights) + rho * weights)
-    return project_to_simplex(v - tf.reduce_max(v))  # shift-invariant, exact sums in float32
-
-
 def sdmgrad_weights(cross, weights, lamda, niter, learning_rate=5.0, momentum=0.5):
     """SDMGrad's weights after `niter` projected SGD steps with momentum (LibMTL's inner loop).
 
@@ -586,5 +445,4 @@ def sdmgrad_weights(cross, weights, lamda, niter, learning_rate=5.0, momentum=0.
     return w
 
 
-_modo_weights_xla = tf.function(modo_weights, jit_compile=True, autograph=False)
 _sdmgrad_weights_xla = tf.function(sdmgrad_weights, jit_compile=True, autograph=False)

@@ -1,4 +1,4 @@
-"""Dual-Balancing MTL (DB-MTL): a gradient-based method (`keras_fastloop.weighting._elementwise`)."""
+"""Dual-Balancing MTL (DB-MTL): a gradient-based method (`keras_fastloop.weighting._gradient`)."""
 
 from __future__ import annotations
 
@@ -8,14 +8,14 @@ from keras import ops
 from keras_fastloop import _replicas, _validation
 from keras_fastloop._replicas import state_variable
 from keras_fastloop.weighting import _utils
-from keras_fastloop.weighting._elementwise import ElementwiseGradientWeighting
+from keras_fastloop.weighting._gradient import GradientWeighting
 from keras_fastloop.weighting.base import _PACKAGE
 
 _EPS = 1e-8
 
 
 @keras.saving.register_keras_serializable(package=_PACKAGE)
-class DBMTL(ElementwiseGradientWeighting):
+class DBMTL(GradientWeighting):
     """Dual-Balancing MTL: log-losses, then equal norms of averaged task gradients (`db_mtl`).
 
     Algorithm, at applied update `t = 1, 2, ...` (LibMTL's code):
@@ -31,7 +31,7 @@ class DBMTL(ElementwiseGradientWeighting):
 
     The logged `{task}_weight` is `alpha_i` (LibMTL reports ones). `m` lives in step-state
     variables, a `(T, size)` float32 array per shared variable plus this step's value, committed
-    on applied updates only (see `_elementwise`): the state is `2 T` times the shared
+    on applied updates only (see `_gradient`): the state is `2 T` times the shared
     variables' size, and it is created at `compile()` for every trainable variable that may be
     shared (only `shared_variables` when given). Norms are over all shared variables; under
     `tf.distribute` the averages are of the global batch's gradients and losses.

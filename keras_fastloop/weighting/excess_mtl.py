@@ -1,4 +1,4 @@
-"""ExcessMTL: a gradient-based method (`keras_fastloop.weighting._elementwise`)."""
+"""ExcessMTL: a gradient-based method (`keras_fastloop.weighting._gradient`)."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ from keras import ops
 
 from keras_fastloop._replicas import state_variable
 from keras_fastloop.weighting import _utils
-from keras_fastloop.weighting._elementwise import ElementwiseGradientWeighting
+from keras_fastloop.weighting._gradient import GradientWeighting
 from keras_fastloop.weighting.base import _PACKAGE
 
 
 @keras.saving.register_keras_serializable(package=_PACKAGE)
-class ExcessMTL(ElementwiseGradientWeighting):
+class ExcessMTL(GradientWeighting):
     """ExcessMTL: weight tasks by their estimated excess risk (`excess_mtl`).
 
     Algorithm, at every applied update with shared task gradients `g_i` (LibMTL's code):
@@ -28,7 +28,7 @@ class ExcessMTL(ElementwiseGradientWeighting):
     `weights` are this step's `w`. LibMTL's flag `first_epoch` is cleared after the first
     step, so `e(0)` is the first step's (not the first epoch's), as here. `S` lives in step
     state, a `(T, size)` float32 array per shared variable plus this step's value, committed
-    on applied updates only (see `_elementwise`): `2 T` times the shared variables' size,
+    on applied updates only (see `_gradient`): `2 T` times the shared variables' size,
     created at `compile()` for every trainable variable that may be shared (only
     `shared_variables` when given). The committed weights are `committed_weights` (assign it to
     change the next step's starting weights). Under `tf.distribute` every statistic is of the

@@ -1,4 +1,4 @@
-"""Gradient Sign Dropout (GradDrop): a gradient-based method (`keras_fastloop.weighting._elementwise`)."""
+"""Gradient Sign Dropout (GradDrop): a gradient-based method (`keras_fastloop.weighting._gradient`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from keras import ops
 from keras_fastloop import _validation
 from keras_fastloop._replicas import state_variable
 from keras_fastloop.weighting import _utils
-from keras_fastloop.weighting._elementwise import ElementwiseGradientWeighting
+from keras_fastloop.weighting._gradient import GradientWeighting
 from keras_fastloop.weighting.base import _PACKAGE
 
 
@@ -35,7 +35,7 @@ def graddrop_multipliers(grads, uniform, leak):
 
 
 @keras.saving.register_keras_serializable(package=_PACKAGE)
-class GradDrop(ElementwiseGradientWeighting):
+class GradDrop(GradientWeighting):
     """Gradient Sign Dropout: keep, per entry, the gradients of one sign at random (`graddrop`).
 
     Algorithm, for every entry `k` of the shared variables (see `graddrop_multipliers`):

@@ -1,5 +1,5 @@
 """GradVac (Wang et al., ICLR 2021): a gradient-based method with a Gram matrix per group of
-shared variables (`keras_fastloop.weighting._task_gradients`)."""
+shared variables (`keras_fastloop.weighting._gradient`)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,62 @@ from keras import ops
 
 from keras_fastloop._replicas import state_variable
 from keras_fastloop.weighting import _gradient, _utils
-from keras_fastloop.weighting import _task_gradients as tg
 from keras_fastloop.weighting._gradient import GradientWeighting
-from keras_fastloop.weighting._solvers import _gradvac_weights_xla
 from keras_fastloop.weighting.base import _PACKAGE
 
 _GRANULARITIES = ("model", "layer", "variable")
+
+
+def gradvac_weights(grams, targets, order, beta):
+    """GradVac as coefficients on the original task gradients, one set per group of variables.
+
+    For every task `i` (`c = e_i`, per group `k`) and every other task `j` in `order[i]`:
+    `rho = <g_i^vac, g_j> / (|g_i^vac| |g_j| + 1e-8)` on group `k`; if `rho < phi` (the
+    target `targets[i, j, k]`),
+    `g_i^vac += |g_i^vac| (phi sqrt(1 - rho^2) - rho sqrt(1 - phi^2)) /
+    (|g_j| sqrt(1 - phi^2) + 1e-8) g_j`; then (always) `phi <- (1 - beta) phi + beta rho`.
+    Every vector is a combination of the original gradients, tracked by its coefficients from
+    the group's Gram matrix.
+
+    Args:
+        grams: `(K, T, T)` Gram matrices of the task gradients, one per group.
+        targets: `(T, T, K)` EMA targets `phi` (LibMTL's `rho_T`).
+        order: `(T, T)` int tensor; row `i` is the order in which task `i` visits the tasks
+            (its own index is skipped).
+        beta: float, the EMA rate.
+
+    Returns:
+        `(coefficients, targets)`: `(K, T)` with group `k`'s update
+        `sum_i g_i^vac = sum_m coefficients[k, m] g_m`, and the new targets.
+    """
+    t = grams.shape[1]
+    dtype = grams.dtype
+    eye = tf.eye(t, dtype=dtype)
+    norms = tf.sqrt(tf.maximum(tf.linalg.diag_part(grams), 0.0))  # (K, T): |g_m| per group
+    total = tf.zeros((grams.shape[0], t), dtype)
+    for i in range(t):
+        c = tf.zeros_like(total) + eye[i]
+        for position in range(t):
+            j = order[i, position]
+            column = tf.gather(grams, j, axis=2)  # (K, T): <g_m, g_j>
+            dot = tf.reduce_sum(c * column, axis=1)
+            c_norm = tf.sqrt(tf.maximum(tf.reduce_sum(c * tf.linalg.matvec(grams, c), 1), 0.0))
+            j_norm = tf.gather(norms, j, axis=1)
+            rho = dot / (c_norm * j_norm + 1e-8)
+            phi = tf.gather_nd(targets, tf.stack([i, j]))  # (K,)
+            root_phi = tf.sqrt(tf.maximum(1.0 - phi * phi, 0.0))
+            root_rho = tf.sqrt(tf.maximum(1.0 - rho * rho, 0.0))
+            w = c_norm * (phi * root_rho - rho * root_phi) / (j_norm * root_phi + 1e-8)
+            other = tf.not_equal(j, i)
+            w = tf.where(tf.logical_and(other, rho < phi), w, 0.0)
+            c = c + w[:, None] * tf.gather(eye, j)[None, :]
+            new_phi = tf.where(other, (1.0 - beta) * phi + beta * rho, phi)
+            targets = tf.tensor_scatter_nd_update(targets, tf.stack([i, j])[None], new_phi[None])
+        total = total + c
+    return total, targets
+
+
+_gradvac_weights_xla = tf.function(gradvac_weights, jit_compile=True, autograph=False)
 
 
 @keras.saving.register_keras_serializable(package=_PACKAGE)
@@ -125,16 +175,16 @@ class GradVac(GradientWeighting):
         self.weights.assign(ops.mean(coefficients, axis=0))
         position = {u: n for n, u in enumerate(used)}
         shared_terms = {
-            k: ops.sum(ops.stack(tg.weighted_sum(per_task, k, coefficients[position[g]])), 0)
+            k: ops.sum(ops.stack(_gradient.weighted_sum(per_task, k, coefficients[position[g]])), 0)
             for k, g in zip(shared, groups)
         }
         ones = ops.ones((t,), "float32")
-        regularization = tg.regularization_gradients(tape, objective, variables)
-        return tg.assemble(
-            len(variables),
+        return _gradient.assemble(
+            tape,
+            objective,
+            variables,
+            lambda k: _gradient.weighted_sum(per_task, k, ones),
             shared_terms,
-            lambda k: tg.weighted_sum(per_task, k, ones),
-            regularization,
         )
 
     def update(self, losses):

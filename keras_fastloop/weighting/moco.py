@@ -1,5 +1,5 @@
 """MoCo (Fernando et al., ICLR 2023): tracked gradient estimates in step state
-(`keras_fastloop.weighting._task_gradients`)."""
+(`keras_fastloop.weighting._gradient`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ from keras import ops
 from keras_fastloop import _replicas
 from keras_fastloop._replicas import state_variable
 from keras_fastloop.weighting import _gradient, _utils
-from keras_fastloop.weighting import _task_gradients as tg
 from keras_fastloop.weighting._gradient import GradientWeighting
 from keras_fastloop.weighting.base import _PACKAGE
 
@@ -93,13 +92,10 @@ class MoCo(GradientWeighting):
 
     def gradients(self, tape, losses, objective, variables, scale_loss):
         variables = list(variables)
-        scale = _gradient.loss_scale(scale_loss)
-        per_task = _gradient.task_gradients(tape, losses, variables, scale)
-        shared = self._shared_indices(per_task, variables)
-        rows = _gradient.shared_rows(per_task, shared, variables, scale)
-        global_losses = _replicas.all_reduce_sum([ops.cast(loss, "float32") for loss in losses])
+        grads, scale = self.task_gradients(tape, losses, variables, scale_loss)
+        per_task, shared, rows = grads.per_task, grads.shared, grads.flat
         norms = ops.sqrt(sum(ops.sum(ops.square(r), axis=1) for r in rows))
-        coefficients = ops.stack(global_losses) / (norms + 1e-8)
+        coefficients = grads.losses / (norms + 1e-8)
         n = ops.cast(self.step + 1, "float32")
         rate = self.beta / ops.power(n, self.beta_sigma)
         estimates = [
@@ -124,12 +120,12 @@ class MoCo(GradientWeighting):
             for k, y in zip(shared, estimates)
         }
         ones = ops.ones((self.num_tasks,), "float32")
-        regularization = tg.regularization_gradients(tape, objective, variables)
-        return tg.assemble(
-            len(variables),
+        return _gradient.assemble(
+            tape,
+            objective,
+            variables,
+            lambda k: _gradient.weighted_sum(per_task, k, ones),
             shared_terms,
-            lambda k: tg.weighted_sum(per_task, k, ones),
-            regularization,
         )
 
     def update(self, losses):

@@ -1,5 +1,5 @@
 """MoDo (Chen et al., NeurIPS 2023): double sampling on three parts of the batch
-(`keras_fastloop.weighting._task_gradients.PartsWeighting`)."""
+(`keras_fastloop.weighting._gradient`)."""
 
 from __future__ import annotations
 
@@ -8,13 +8,26 @@ import tensorflow as tf
 
 from keras_fastloop._replicas import state_variable
 from keras_fastloop.weighting import _utils
-from keras_fastloop.weighting._solvers import _modo_weights_xla
-from keras_fastloop.weighting._task_gradients import PartsWeighting, cross_gram
+from keras_fastloop.weighting._gradient import GradientWeighting, cross_gram
+from keras_fastloop.weighting._simplex import project_to_simplex
 from keras_fastloop.weighting.base import _PACKAGE
 
 
+def modo_weights(cross, weights, gamma, rho):
+    """One MoDo step: `Pi_simplex(lambda - gamma (C lambda + rho lambda))`.
+
+    `C_ij = <g_i^(1), g_j^(2)>` is the cross-Gram matrix of the first two parts' task
+    gradients (an unbiased estimate of `M`'s action when the parts are independent).
+    """
+    v = weights - gamma * (tf.linalg.matvec(cross, weights) + rho * weights)
+    return project_to_simplex(v - tf.reduce_max(v))  # shift-invariant, exact sums in float32
+
+
+_modo_weights_xla = tf.function(modo_weights, jit_compile=True, autograph=False)
+
+
 @keras.saving.register_keras_serializable(package=_PACKAGE)
-class MoDo(PartsWeighting):
+class MoDo(GradientWeighting):
     """MoDo: multi-objective gradient with double sampling (`modo`).
 
     Algorithm: LibMTL draws three batches per step; here they are the three consecutive
@@ -49,6 +62,7 @@ class MoDo(PartsWeighting):
     """
 
     name = "modo"
+    sub_batches = 3
 
     def __init__(self, gamma: float = 1e-3, rho: float = 0.1) -> None:
         super().__init__()

@@ -1,5 +1,5 @@
 """SDMGrad (Xiao et al., NeurIPS 2023): three parts of the batch
-(`keras_fastloop.weighting._task_gradients.PartsWeighting`)."""
+(`keras_fastloop.weighting._gradient`)."""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ import tensorflow as tf
 
 from keras_fastloop._replicas import state_variable
 from keras_fastloop.weighting import _utils
+from keras_fastloop.weighting._gradient import GradientWeighting, cross_gram
 from keras_fastloop.weighting._solvers import _sdmgrad_weights_xla
-from keras_fastloop.weighting._task_gradients import PartsWeighting, cross_gram
 from keras_fastloop.weighting.base import _PACKAGE
 
 
 @keras.saving.register_keras_serializable(package=_PACKAGE)
-class SDMGrad(PartsWeighting):
+class SDMGrad(GradientWeighting):
     """SDMGrad: stochastic direction-oriented MGDA (`sdmgrad`).
 
     Algorithm: LibMTL draws three batches per step; here they are the three consecutive
@@ -52,6 +52,7 @@ class SDMGrad(PartsWeighting):
     """
 
     name = "sdmgrad"
+    sub_batches = 3
 
     def __init__(self, lamda: float = 0.3, niter: int = 20) -> None:
         super().__init__()
