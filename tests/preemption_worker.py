@@ -4,7 +4,8 @@ Usage: `python tests/preemption_worker.py CONFIG_JSON` (as one of `launch`'s wor
 `TF_CONFIG` is set: then under `MultiWorkerMirroredStrategy`, each worker with its own backup
 directory `backup_dir/worker<i>`). The config holds:
 
-- `out`: path prefix of the results (`.npz` with every variable), written by worker 0 only.
+- `out`: path prefix of the results (`.npz` with every variable), written by worker 0
+  (worker i > 0: `.worker<i>.npz`).
 - `backup_dir`, `save_freq`, `epochs`, `steps_per_execution`.
 - `sigterm_after`: global batch count after which this process (worker 0 only) sends itself
   SIGTERM, or `null`.
@@ -98,10 +99,9 @@ def main(config):
         model.save_weights = save_then_die
     callbacks = [backup, kf.callbacks.SaveOnPreemption(backup), Signaller(config)]
     model.fit(train, epochs=config["epochs"], callbacks=callbacks, verbose=0)
-    if WORKER == 0:
-        arrays = {f"model/{v.path}": v.numpy() for v in model.weights}
-        arrays.update({f"optimizer/{v.path}": v.numpy() for v in model.optimizer.variables})
-        np.savez(config["out"] + ".npz", **arrays)
+    arrays = {f"model/{v.path}": v.numpy() for v in model.weights}
+    arrays.update({f"optimizer/{v.path}": v.numpy() for v in model.optimizer.variables})
+    np.savez(config["out"] + (".npz" if WORKER == 0 else f".worker{WORKER}.npz"), **arrays)
 
 
 if __name__ == "__main__":
