@@ -35,7 +35,7 @@ __all__ = [
 DEFAULT_PORT = 12345
 
 
-def expand_slurm_nodelist(nodelist):
+def expand_slurm_nodelist(nodelist: str) -> list:
     """The host names of a Slurm node list, in order (`"node[01-03,07],gpu1"` → 5 names).
 
     Args:
@@ -171,7 +171,7 @@ def _from_hosts(env):
     return _config(hosts, _int(env, "KERAS_FASTLOOP_INDEX"))
 
 
-def tf_config_from_env(env=None, port=None):
+def tf_config_from_env(env: dict | None = None, port: int | None = None) -> dict:
     """The `TF_CONFIG` dict of this process, from the scheduler's environment variables.
 
     Looks, in order, for `KERAS_FASTLOOP_HOSTS` (explicit list), Slurm (`SLURM_JOB_NODELIST`
@@ -214,7 +214,7 @@ def tf_config_from_env(env=None, port=None):
     return config
 
 
-def check_tf_config(config, check_port=True):
+def check_tf_config(config: dict | str, check_port: bool = True) -> dict:
     """Checks a `TF_CONFIG` for a worker cluster; raises before any training if it cannot work.
 
     Args:
@@ -277,7 +277,7 @@ def check_tf_config(config, check_port=True):
     return config
 
 
-def configure(env=None, port=None):
+def configure(env: dict | None = None, port: int | None = None) -> dict:
     """Sets `os.environ["TF_CONFIG"]` from the scheduler (`tf_config_from_env`) and checks it.
 
     An existing `TF_CONFIG` is checked and kept. Call before creating the strategy.

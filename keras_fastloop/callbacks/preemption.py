@@ -57,7 +57,12 @@ class SaveOnPreemption(keras.callbacks.Callback):
         >>> callbacks = [backup, SaveOnPreemption(backup)]
     """
 
-    def __init__(self, backup, signals=(signal.SIGTERM,), exit_code=PREEMPTED_EXIT_CODE):
+    def __init__(
+        self,
+        backup: keras.callbacks.BackupAndRestore,
+        signals: tuple = (signal.SIGTERM,),
+        exit_code: int | None = PREEMPTED_EXIT_CODE,
+    ) -> None:
         super().__init__()
         if not isinstance(backup, keras.callbacks.BackupAndRestore) or not _validation.is_int(
             backup.save_freq
