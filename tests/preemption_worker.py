@@ -69,7 +69,7 @@ def main(config):
     train = (
         tf.data.Dataset.from_tensor_slices((x, y))
         .shuffle(NUM_SAMPLES, seed=7, reshuffle_each_iteration=False)
-        .batch(GLOBAL_BATCH)
+        .batch(GLOBAL_BATCH, drop_remainder=True)
         .with_options(options)
     )
     with strategy.scope():

@@ -175,7 +175,10 @@ def run_two(tmp_path, envs):
                 p.kill()
     for p, out in zip(processes, outputs):
         assert p.returncode == 0, out[-3000:]
-    assert "[launch] worker 0 of 2" in outputs[0] and "[launch] worker 1 of 2" in outputs[1]
+    for i, out in enumerate(outputs):
+        assert f"[launch] worker {i} of 2" in out, out[-3000:]
+        line = f"[keras_fastloop] worker {i} of 2: 2 replicas (1 here), global batch 8"
+        assert line in out, out[-3000:]
     a, b = dict(np.load(config["out"] + ".npz")), dict(np.load(config["out"] + ".worker1.npz"))
     assert sorted(a) == sorted(b)
     for key in a:
