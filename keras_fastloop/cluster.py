@@ -29,6 +29,7 @@ __all__ = [
     "check_tf_config",
     "configure",
     "expand_slurm_nodelist",
+    "multi_worker_strategy",
     "tf_config_from_env",
 ]
 
@@ -303,3 +304,66 @@ def configure(env: dict | None = None, port: int | None = None) -> dict:
         check_tf_config(config)
     os.environ["TF_CONFIG"] = json.dumps(config)
     return config
+
+
+def multi_worker_strategy(connect_timeout: float = 60.0, communication_options=None):
+    """`tf.distribute.MultiWorkerMirroredStrategy` that fails when a worker never connects.
+
+    Sets `TF_CONFIG` with `configure()` when it is not set, then configures TensorFlow's
+    coordination service to give up after `connect_timeout` seconds if not every worker has
+    registered, instead of waiting forever. Call it before anything else touches TensorFlow's
+    devices, where the script would create the strategy.
+
+    Args:
+        connect_timeout: positive float, seconds to wait for all workers. Default 60.
+        communication_options: a `tf.distribute.experimental.CommunicationOptions` or `None`,
+            passed to the strategy (e.g. `timeout_seconds` for each collective).
+
+    Returns:
+        The strategy.
+
+    Raises:
+        ValueError: a non-positive `connect_timeout`; see `configure`.
+        RuntimeError: TensorFlow's context was initialized before this call (too late to set
+            the timeout).
+        tf.errors.DeadlineExceededError / UnavailableError: from TensorFlow, when a worker
+            did not connect in time.
+
+    Example:
+        >>> strategy = multi_worker_strategy(connect_timeout=60)  # doctest: +SKIP
+    """
+    import tensorflow as tf
+    from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
+    from tensorflow.python.eager import context
+
+    if isinstance(connect_timeout, bool) or not connect_timeout > 0:
+        raise ValueError(
+            f"`connect_timeout` must be a positive number. Received: connect_timeout={connect_timeout!r}"
+        )
+    config = configure()
+    ctx = context.context()
+    if ctx._context_handle is not None:
+        raise RuntimeError(
+            "multi_worker_strategy must run before TensorFlow's context starts (before any "
+            "op, device listing or other strategy). Received: an initialized context"
+        )
+    workers = len(config["cluster"]["worker"])
+    ctx.configure_coordination_service(
+        service_type="standalone",
+        service_leader="/job:worker/replica:0/task:0",
+        cluster_register_timeout_in_ms=int(connect_timeout * 1000),
+        coordinated_jobs=[coordination_config_pb2.CoordinatedJob(name="worker", num_tasks=workers)],
+    )
+    # Worker 0 hosts the service and then waits for its peers in a first all-reduce, whose
+    # timeout is a class attribute of TensorFlow's strategy (0: forever).
+    from tensorflow.python.distribute import collective_all_reduce_strategy as car
+
+    extended = car.CollectiveAllReduceExtended
+    previous = extended._check_health_initial_timeout
+    extended._check_health_initial_timeout = max(1, int(connect_timeout))
+    try:
+        return tf.distribute.MultiWorkerMirroredStrategy(
+            communication_options=communication_options
+        )
+    finally:
+        extended._check_health_initial_timeout = previous

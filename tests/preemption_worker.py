@@ -13,7 +13,7 @@ directory `backup_dir/worker<i>`). The config holds:
   the temporary weights and renaming them.
 - `sleep`: seconds slept after each batch (lets an outside SIGTERM land mid-training).
 
-Prints `batch <global count>` after each batch, flushed.
+Prints `first step <optimizer iterations>` before its first batch and `batch <global count>`\nafter each batch, flushed.
 """
 
 import json
@@ -48,6 +48,11 @@ class Signaller(keras.callbacks.Callback):
 
     def on_epoch_begin(self, epoch, logs=None):
         self.epoch = epoch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if not hasattr(self, "started"):
+            self.started = int(self.model.optimizer.iterations.numpy())
+            print(f"first step {self.started}", flush=True)
 
     def on_train_batch_end(self, batch, logs=None):
         done = self.epoch * self.params["steps"] + batch + 1

@@ -11,6 +11,7 @@ import io
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -66,6 +67,15 @@ def run_one(config, sigterm_at=None):
     return process.returncode, "".join(lines)
 
 
+def assert_resumed(output, config):
+    """The restart began right after the backup's step, not from scratch."""
+    path = os.path.join(config["backup_dir"], "worker0", "training_metadata.json")
+    with open(path) as f:
+        saved = json.load(f)
+    assert f"first step {saved['epoch'] * STEPS + saved['batch'] + 1}" in output, output[-3000:]
+    assert "first step 0" not in output
+
+
 def load(config):
     return dict(np.load(config["out"] + ".npz"))
 
@@ -96,6 +106,7 @@ def test_sigterm_at_random_step_then_restart_equals_uninterrupted(tmp_path, step
 
     code, output = run_one({**resumed, "sleep": 0.0})
     assert code == 0, output[-3000:]
+    assert_resumed(output, resumed)
     assert_same(load(resumed), load(reference))
 
 
@@ -114,6 +125,7 @@ def test_kill_during_the_save_leaves_the_previous_backup(tmp_path):
 
     code, output = run_one({**resumed, "sigterm_after": None, "kill_during_save": False})
     assert code == 0, output[-3000:]
+    assert_resumed(output, resumed)
     assert_same(load(resumed), load(reference))
 
 
@@ -144,4 +156,31 @@ def test_two_workers_sigterm_on_one_both_save_the_same_step_and_resume_exactly(t
 
     code, output = _launch({**resumed, "sigterm_after": None})
     assert code == 0, output[-3000:]
+    assert_resumed(output, resumed)
     assert_same(load(resumed), load(reference))
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("before, after", [(2, 1), (1, 2)])
+def test_resume_on_another_number_of_workers_same_global_batch(tmp_path, before, after):
+    reference = _config(tmp_path, "ref")
+    code, output = run_one(reference)
+    assert code == 0, output[-3000:]
+
+    resumed = _config(tmp_path, "res", sigterm_after=17)
+    code, output = _launch(resumed) if before == 2 else run_one(resumed)
+    assert code == preemption.PREEMPTED_EXIT_CODE, output[-3000:]
+    if after > before:  # the new worker starts from worker 0's backup
+        shutil.copytree(
+            os.path.join(resumed["backup_dir"], "worker0"),
+            os.path.join(resumed["backup_dir"], "worker1"),
+        )
+    resumed["sigterm_after"] = None
+    code, output = _launch(resumed) if after == 2 else run_one(resumed)
+    assert code == 0, output[-3000:]
+    assert_resumed(output, resumed)
+    # One process and two workers sum the same gradients in another order: float32 rounding.
+    a, b = load(resumed), load(reference)
+    assert sorted(a) == sorted(b)
+    for key in a:
+        np.testing.assert_allclose(a[key], b[key], rtol=1e-5, atol=1e-5, err_msg=key)
