@@ -37,6 +37,7 @@ import warnings
 
 import keras
 
+from keras_fastloop import _cluster_report as cluster_report
 from keras_fastloop import _fit_callbacks as fit_callbacks
 from keras_fastloop import _resume as resume
 from keras_fastloop._fit_run import FitRun, current_run
@@ -54,6 +55,7 @@ EXTENSIONS = {
     "exact_resume": resume.with_exact_resume,
     "micro_batch_size": fit_callbacks.with_batch_size_monitor,
     "tensorboard_model_summary": fit_callbacks.with_tensorboard_model_summary,
+    "worker_line": cluster_report.with_worker_line,
 }
 
 

@@ -7,8 +7,10 @@ timeout passes (then every worker still running is terminated). The script itsel
 `tf.distribute.MultiWorkerMirroredStrategy()` — it reads `TF_CONFIG` — before anything else
 touches TensorFlow's devices.
 
-On a real cluster use the cluster's own launcher instead (Slurm, Kubernetes): see the README
-section "Running on a cluster".
+On a cluster, the scheduler starts one process per worker (`srun`, a Kubernetes indexed Job or
+StatefulSet); there `keras-fastloop launch --cluster -- train.py` builds this process's
+`TF_CONFIG` from the scheduler's environment (`keras_fastloop.cluster`), checks it, says which
+worker this is and runs the script once. See docs/guide.md, "Running on a cluster".
 """
 
 from __future__ import annotations
@@ -204,6 +206,45 @@ def launch(
     return first_failure[1] if first_failure[1] > 0 else 1
 
 
+def launch_cluster(script_args, env=None, port=None, python=None, stdout=None):
+    """Run `python script_args...` once as this process's worker of a scheduled cluster.
+
+    `TF_CONFIG` comes from `env` through `keras_fastloop.cluster` (an existing `TF_CONFIG` is
+    checked and kept); one line names the worker before the script starts.
+
+    Args:
+        script_args: list of strings, the script and its arguments.
+        env: dict of environment variables; default a copy of `os.environ`.
+        port: int, base port; default `KERAS_FASTLOOP_PORT` or 12345.
+        python: string, the interpreter; default `sys.executable`.
+        stdout: text stream for the line; default `sys.stdout`.
+
+    Returns:
+        The script's exit code.
+
+    Raises:
+        ValueError: empty `script_args`; from `keras_fastloop.cluster`: no cluster found, a
+            malformed or contradictory environment, this worker's port in use.
+    """
+    from keras_fastloop import cluster
+
+    if not script_args:
+        raise ValueError(f"`script_args` must name a script. Received: script_args={script_args!r}")
+    env = dict(os.environ if env is None else env)
+    if "TF_CONFIG" in env:
+        config = cluster.check_tf_config(env["TF_CONFIG"])
+    else:
+        config = cluster.tf_config_from_env(env, port)
+        cluster.check_tf_config(config)
+    env["TF_CONFIG"] = json.dumps(config)
+    index, workers = config["task"]["index"], config["cluster"]["worker"]
+    env["KERAS_FASTLOOP_WORKER"] = str(index)
+    out = stdout or sys.stdout
+    out.write(f"[launch] worker {index} of {len(workers)} at {workers[index]}\n")
+    out.flush()
+    return subprocess.call([python or sys.executable, *script_args], env=env)
+
+
 def add_arguments(parser):
     """Adds `launch`'s arguments to `parser` (the `launch` sub-command or its own parser).
 
@@ -218,6 +259,15 @@ def add_arguments(parser):
         "--timeout", type=float, default=DEFAULT_TIMEOUT, help="seconds (default 3600)"
     )
     parser.add_argument("--python", default=None, help="interpreter (default: this one)")
+    parser.add_argument(
+        "--cluster",
+        action="store_true",
+        help="run once as this process's worker: TF_CONFIG from Slurm, Kubernetes or "
+        "KERAS_FASTLOOP_HOSTS/KERAS_FASTLOOP_INDEX",
+    )
+    parser.add_argument("--hosts", default=None, help="with --cluster: host:port,host:port,...")
+    parser.add_argument("--index", type=int, default=None, help="with --hosts: this worker")
+    parser.add_argument("--port", type=int, default=None, help="with --cluster: base port")
     parser.add_argument("script", nargs=argparse.REMAINDER, help="-- script.py [args]")
     return parser
 
@@ -234,6 +284,16 @@ def run_parsed(args, parser):
         script = script[1:]
     if not script:
         parser.error("a script is required: keras-fastloop launch --workers N -- script.py")
+    if args.cluster or args.hosts is not None:
+        env = dict(os.environ)
+        if args.hosts is not None:
+            if args.index is None:
+                parser.error("--hosts needs --index (this worker's position in the list)")
+            env["KERAS_FASTLOOP_HOSTS"], env["KERAS_FASTLOOP_INDEX"] = args.hosts, str(args.index)
+        try:
+            return launch_cluster(script, env=env, port=args.port, python=args.python)
+        except ValueError as e:
+            parser.error(str(e))
     if args.workers < 1:
         parser.error(f"--workers must be a positive integer. Received: workers={args.workers}")
     if args.timeout <= 0:

@@ -17,6 +17,7 @@ def test_top_level_all():
             "__version__",
             "callbacks",
             "clipping",
+            "cluster",
             "data",
             "datasets",
             "mixed_precision",
@@ -44,6 +45,8 @@ def test_submodule_exports():
     assert set(kf.callbacks.__all__) == {
         "LearningRateLogger",
         "MemoryMonitor",
+        "PREEMPTED_EXIT_CODE",
+        "SaveOnPreemption",
         "PeriodicValidation",
         "ProfilerWindow",
         "ThroughputMonitor",
@@ -83,6 +86,7 @@ def test_submodule_exports():
     for module in (
         kf.clipping,
         kf.callbacks,
+        kf.cluster,
         kf.data,
         kf.datasets,
         kf.schedules,
@@ -174,6 +178,7 @@ def test_public_callables_are_annotated():
 PUBLIC_MODULES = {
     "keras_fastloop.callbacks",
     "keras_fastloop.clipping",
+    "keras_fastloop.cluster",
     "keras_fastloop.data",
     "keras_fastloop.datasets",
     "keras_fastloop.mixed_precision",
