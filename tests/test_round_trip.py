@@ -1,4 +1,4 @@
-"""Every path a user takes survives the round trip (issue 51).
+"""Every path a user takes survives the round trip (save, load, resume, logs).
 
 Paths (`PATHS`): the default functional step, an own `train_step` calling
 `fastloop_step.minimize`, `kf.optimized` of a stock, a loaded and a subclassed model,
@@ -68,7 +68,7 @@ class OwnStep(kf.OptimizedModel):
 
 @keras.saving.register_keras_serializable("test_round_trip")
 class TwoHeads(kf.OptimizedModel):
-    """A subclassed two-output model (issue 51 item 7)."""
+    """A subclassed two-output model."""
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
@@ -190,7 +190,7 @@ def _compile_options(model):
 
 # The file of a user's subclass names that class, whose own (Keras') compile refuses the options.
 _LOAD_OPEN = {
-    "optimized_subclass": "issue 51 item 1: kf.optimized(keras.Model subclass) with options"
+    "optimized_subclass": "kf.optimized(keras.Model subclass) with options"
 }
 
 
