@@ -333,37 +333,24 @@ def multi_worker_strategy(connect_timeout: float = 60.0, communication_options=N
         >>> strategy = multi_worker_strategy(connect_timeout=60)  # doctest: +SKIP
     """
     import tensorflow as tf
-    from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
-    from tensorflow.python.eager import context
+
+    from keras_fastloop import _keras_internals as internals
 
     if isinstance(connect_timeout, bool) or not connect_timeout > 0:
         raise ValueError(
             f"`connect_timeout` must be a positive number. Received: connect_timeout={connect_timeout!r}"
         )
     config = configure()
-    ctx = context.context()
-    if ctx._context_handle is not None:
+    if internals.eager_context_started():
         raise RuntimeError(
             "multi_worker_strategy must run before TensorFlow's context starts (before any "
             "op, device listing or other strategy). Received: an initialized context"
         )
-    workers = len(config["cluster"]["worker"])
-    ctx.configure_coordination_service(
-        service_type="standalone",
-        service_leader="/job:worker/replica:0/task:0",
-        cluster_register_timeout_in_ms=int(connect_timeout * 1000),
-        coordinated_jobs=[coordination_config_pb2.CoordinatedJob(name="worker", num_tasks=workers)],
+    internals.configure_worker_coordination(
+        len(config["cluster"]["worker"]), register_timeout_ms=connect_timeout * 1000
     )
-    # Worker 0 hosts the service and then waits for its peers in a first all-reduce, whose
-    # timeout is a class attribute of TensorFlow's strategy (0: forever).
-    from tensorflow.python.distribute import collective_all_reduce_strategy as car
-
-    extended = car.CollectiveAllReduceExtended
-    previous = extended._check_health_initial_timeout
-    extended._check_health_initial_timeout = max(1, int(connect_timeout))
-    try:
+    # worker 0 hosts the service, then waits for its peers in a first health check
+    with internals.first_health_check_timeout(connect_timeout):
         return tf.distribute.MultiWorkerMirroredStrategy(
             communication_options=communication_options
         )
-    finally:
-        extended._check_health_initial_timeout = previous

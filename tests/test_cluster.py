@@ -211,3 +211,69 @@ def test_fake_kubernetes_indexed_job_two_local_workers_agree(tmp_path):
     }
     envs = [{**common, "HOSTNAME": f"train-{i}", "JOB_COMPLETION_INDEX": str(i)} for i in range(2)]
     run_two(tmp_path, envs)
+
+
+STRATEGY_SCRIPT = """
+import sys
+import time
+
+import tensorflow as tf
+
+from keras_fastloop import cluster
+
+start = time.monotonic()
+try:
+    strategy = cluster.multi_worker_strategy(connect_timeout=float(sys.argv[1]))
+    total = strategy.reduce(
+        "SUM", strategy.run(lambda: tf.constant(1.0 + strategy.cluster_resolver.task_id)), None
+    )
+    print("SUM", float(total))
+except tf.errors.DeadlineExceededError as error:
+    print("TIMEOUT", round(time.monotonic() - start), type(error).__name__)
+    sys.exit(3)
+"""
+
+
+def run_strategy_workers(tmp_path, indices, connect_timeout):
+    script = tmp_path / "strategy.py"
+    script.write_text(STRATEGY_SCRIPT)
+    ports = launch_module.free_ports(2)
+    config = {"worker": [f"127.0.0.1:{port}" for port in ports]}
+    processes = []
+    for index in indices:
+        env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "CUDA_VISIBLE_DEVICES": ""}
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
+        env["TF_CONFIG"] = json.dumps(
+            {"cluster": config, "task": {"type": "worker", "index": index}}
+        )
+        command = [sys.executable, str(script), str(connect_timeout)]
+        processes.append(
+            subprocess.Popen(
+                command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
+        )
+    try:
+        return [(p.communicate(timeout=120)[0], p.returncode) for p in processes]
+    finally:
+        for p in processes:
+            if p.poll() is None:
+                p.kill()
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_multi_worker_strategy_connects_two_workers(tmp_path):
+    for out, code in run_strategy_workers(tmp_path, [0, 1], connect_timeout=60):
+        assert code == 0, out[-3000:]
+        assert "SUM 3.0" in out, out[-3000:]  # 1 + 2: both workers took part
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("index", [0, 1])
+def test_multi_worker_strategy_gives_up_on_an_absent_peer(tmp_path, index):
+    # worker 0 hosts the coordination service: without the register barrier it waited forever
+    ((out, code),) = run_strategy_workers(tmp_path, [index], connect_timeout=5)
+    assert code == 3, out[-3000:]
+    seconds = int(out.split("TIMEOUT ")[1].split()[0])
+    assert seconds < 60, out[-3000:]

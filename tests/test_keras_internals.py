@@ -325,3 +325,35 @@ def test_stock_keras_model_fit_under_a_remat_scope_fails_in_graph_mode():
     x = np.ones((8, 4), "float32")
     with pytest.raises(ValueError, match="keywords arguments only when eager execution"):
         model.fit(x, x[:, :1], batch_size=4, epochs=1, verbose=0)
+
+
+def test_multi_worker_start_up_knobs_of_tensorflow():
+    from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
+    from tensorflow.python.distribute import collective_all_reduce_strategy
+    from tensorflow.python.eager import context
+
+    from keras_fastloop import _keras_internals as internals
+
+    fields = coordination_config_pb2.CoordinationServiceConfig.DESCRIPTOR.fields_by_name
+    assert {"cluster_register_timeout_in_ms", "cluster_register_with_barrier"} <= set(fields)
+    assert (
+        "coordinated_jobs"
+        in inspect.signature(context.Context.configure_coordination_service).parameters
+    )
+    ctx = context.context()
+    assert hasattr(ctx, "_coordination_service_config") and hasattr(ctx, "_context_handle")
+    timeout = (
+        collective_all_reduce_strategy.CollectiveAllReduceExtended._check_health_initial_timeout
+    )
+    assert isinstance(timeout, int)
+    with internals.first_health_check_timeout(7):
+        assert (
+            collective_all_reduce_strategy.CollectiveAllReduceExtended._check_health_initial_timeout
+            == 7
+        )
+    assert (
+        collective_all_reduce_strategy.CollectiveAllReduceExtended._check_health_initial_timeout
+        == timeout
+    )
+    tf.constant(0.0)  # the context starts
+    assert internals.eager_context_started()
