@@ -14,15 +14,15 @@ The design (what Keras 3.15 allows, the grouping rule, what is not tuned) is in
 `docs/fit_loop.md`.
 """
 
+from keras_fastloop.callbacks.events import (  # noqa: F401
+    batches_until_next_event,
+    event_periods,
+    steps_until_next_event,
+)
 from keras_fastloop.tuning._glue import (  # noqa: F401 - used as kf.tuning.<name>
     make_train_function,
     resolve_steps_per_execution,
     steps_per_execution_tuner,
-)
-from keras_fastloop.tuning.events import (  # noqa: F401
-    batches_until_next_event,
-    event_periods,
-    steps_until_next_event,
 )
 from keras_fastloop.tuning.recommended import (
     RecommendedSetup,
