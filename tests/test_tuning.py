@@ -13,7 +13,7 @@ from keras_fastloop.callbacks.periodic_validation import PeriodicValidation
 from keras_fastloop.mixed_precision import HardwareInfo
 from keras_fastloop.model import OptimizedModel
 from keras_fastloop.tuning import StepsPerExecutionTuner
-from keras_fastloop.tuning.tuner import AUTO_MAX_SECONDS_PER_STEP
+from keras_fastloop.tuning._glue import AUTO_MAX_SECONDS_PER_STEP
 
 
 def drive(tuner, seconds_for, executions, limit=None):

@@ -2,7 +2,8 @@
 
 Keras' multi-step `tf.function` has `steps_per_execution` baked in as a Python int; here the
 step count is a tensor argument, so one trace serves every count (`docs/fit_loop.md`). The
-grouping of batches into executions lives in `keras_fastloop._fit_loop`.
+grouping of batches into executions is `keras_fastloop._fit_run.FitRun`'s, which drives
+this module's `AutoSteps` through its methods.
 """
 
 from __future__ import annotations
@@ -13,14 +14,40 @@ import warnings
 import keras
 import tensorflow as tf
 
+from keras_fastloop import _validation
 from keras_fastloop._warnings import FastloopWarning
 from keras_fastloop.callbacks import events
-from keras_fastloop.tuning.tuner import (
-    AUTO,
-    AUTO_MAX_SECONDS_PER_STEP,
-    StepsPerExecutionTuner,
-    validate_steps_per_execution,
-)
+from keras_fastloop.tuning.tuner import StepsPerExecutionTuner
+
+AUTO = "auto"
+# `max_seconds_per_step` of the tuner that `steps_per_execution="auto"` creates (seconds)
+AUTO_MAX_SECONDS_PER_STEP = 0.05
+
+
+def validate_steps_per_execution(value: int | str) -> int | str:
+    """Checks a `steps_per_execution` argument.
+
+    Args:
+        value: `"auto"` or a positive int.
+
+    Returns:
+        The value, unchanged (a Python int or `"auto"`).
+
+    Raises:
+        ValueError: if it is neither `"auto"` nor a positive int.
+
+    Example:
+        >>> validate_steps_per_execution("auto")
+        'auto'
+    """
+    if value == AUTO and isinstance(value, str):
+        return value
+    if _validation.is_int(value) and value >= 1:
+        return int(value)
+    raise ValueError(
+        '`steps_per_execution` must be "auto" or a positive integer. '
+        f"Received: steps_per_execution={value!r}"
+    )
 
 
 class AutoSteps:
