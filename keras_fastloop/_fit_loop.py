@@ -87,15 +87,17 @@ def with_internal_callbacks(model, callbacks):
     (the user's alone when the model is not compiled: Keras' `fit` says so)."""
     if model.fastloop_step is None:
         return list(callbacks)
-    entries = INTERNAL_CALLBACKS.values()
-    before = [c for e in entries if e.place == "before" for c in e.factory(model)]
-    after = [c for e in entries if e.place == "after" for c in e.factory(model)]
-    followers = [e.factory for e in entries if e.place == "after_each"]
-    user = [
-        internal
-        for callback in callbacks
-        for internal in [callback, *(c for f in followers for c in f(model, callback))]
-    ]
+    before, user, after = [], [], []
+    for entry in INTERNAL_CALLBACKS.values():
+        if entry.place == "before":
+            before += entry.factory(model)
+        elif entry.place == "after":
+            after += entry.factory(model)
+    followers = [e.factory for e in INTERNAL_CALLBACKS.values() if e.place == "after_each"]
+    for callback in callbacks:
+        user.append(callback)
+        for follow in followers:
+            user += follow(model, callback)
     return [*before, *user, *after]
 
 
