@@ -1,4 +1,4 @@
-"""`fit` extension: one line per worker at the start of a multi-worker `fit`.
+"""`fit`'s internal callback that prints one line per worker at the start of a multi-worker `fit`.
 
 Under a strategy with more than one worker (`MultiWorkerMirroredStrategy`), each worker prints
 `[keras_fastloop] worker i of n: r replicas (l here), global batch b` when `fit` starts, so a
@@ -15,7 +15,7 @@ import keras
 
 from keras_fastloop import _fit_run as fit_run
 
-__all__ = ["with_worker_line"]
+__all__ = ["worker_line"]
 
 
 def num_workers(strategy):
@@ -23,11 +23,11 @@ def num_workers(strategy):
     return int(getattr(getattr(strategy, "extended", None), "_num_workers", 1) or 1)
 
 
-def with_worker_line(model, callbacks):
-    """`callbacks` plus `_WorkerLine` when the model's strategy spans several workers."""
+def worker_line(model):
+    """`[_WorkerLine()]` when the model's strategy spans several workers, else `[]`."""
     if num_workers(model.distribute_strategy) <= 1:
-        return callbacks
-    return [*callbacks, _WorkerLine()]
+        return []
+    return [_WorkerLine()]
 
 
 class _WorkerLine(keras.callbacks.Callback):

@@ -183,12 +183,15 @@ class BatchSizeMonitor(keras.callbacks.Callback):
             micro_batching.warn_small_batch(step, largest)
 
 
-def with_batch_size_monitor(model, callbacks):
-    """`fit` extension: adds `BatchSizeMonitor` when `micro_batch_size` is set."""
-    step = model.__dict__.get("_fastloop_step")
-    if step is None or not step.micro_batch_size:
-        return callbacks
-    return [*callbacks, BatchSizeMonitor()]
+def batch_size_monitor(model):
+    """`[BatchSizeMonitor()]` when `micro_batch_size` is set, else `[]`."""
+    step = model.fastloop_step
+    return [BatchSizeMonitor()] if step.micro_batch_size else []
+
+
+def non_finite_monitor(model):
+    """`[NonFiniteMonitor(policy)]` for the compiled `nonfinite` policy."""
+    return [NonFiniteMonitor(model.fastloop_step.nonfinite)]
 
 
 def first_local_batch(strategy, batch):
@@ -267,11 +270,9 @@ class TensorBoardModelSummary(keras.callbacks.Callback):
         writer.flush()  # Keras' callback may drop its writers in a later `set_model`
 
 
-def with_tensorboard_model_summary(model, callbacks):
-    """`fit` extension: a `TensorBoardModelSummary` after each `TensorBoard(write_graph=True)`."""
-    out = []
-    for callback in callbacks:
-        out.append(callback)
-        if isinstance(callback, keras.callbacks.TensorBoard) and callback.write_graph:
-            out.append(TensorBoardModelSummary(callback))
-    return out
+def after_tensorboard(model, callback):
+    """The internal callbacks that follow `callback`: a `TensorBoardModelSummary` after a
+    `TensorBoard(write_graph=True)`, else none."""
+    if isinstance(callback, keras.callbacks.TensorBoard) and callback.write_graph:
+        return [TensorBoardModelSummary(callback)]
+    return []

@@ -2,7 +2,7 @@
 
 Keras 3.15's `BackupAndRestore` restores the weights saved after batch `b` of epoch `e` but
 then reruns epoch `e` from its first batch (`b + 1` extra optimizer steps). With this module
-(listed in `keras_fastloop._fit_loop.EXTENSIONS`, nothing to call: pass a stock
+(an entry of `keras_fastloop._fit_loop.INTERNAL_CALLBACKS`, nothing to call: pass a stock
 `BackupAndRestore` with an integer `save_freq` to `OptimizedModel.fit`) the resumed run
 continues with batch `b + 1` and ends with the weights of an uninterrupted run; the backup's
 and each integer-`save_freq` `ModelCheckpoint`'s save points line up with the uninterrupted
@@ -29,17 +29,15 @@ import keras
 from keras_fastloop import _fit_run as fit_run
 from keras_fastloop import _validation
 
-__all__ = ["with_exact_resume"]
+__all__ = ["after_backup"]
 
 
-def with_exact_resume(model, callbacks):
-    """`callbacks` with a `_MidEpochResume` after each step-saving `BackupAndRestore`."""
-    result = []
-    for callback in callbacks:
-        result.append(callback)
-        if isinstance(callback, keras.callbacks.BackupAndRestore) and _is_int(callback.save_freq):
-            result.append(_MidEpochResume(callback))
-    return result
+def after_backup(model, callback):
+    """The internal callbacks that follow `callback`: a `_MidEpochResume` after a step-saving
+    `BackupAndRestore`, else none."""
+    if isinstance(callback, keras.callbacks.BackupAndRestore) and _is_int(callback.save_freq):
+        return [_MidEpochResume(callback)]
+    return []
 
 
 _is_int = _validation.is_int

@@ -98,7 +98,7 @@ def main(config):
     if not config["exact"]:
         # Stock Keras behaviour, for the test that shows the defect: the fit loop adds no
         # resume callback in this (throw-away) process.
-        fit_loop.EXTENSIONS.pop("exact_resume")
+        fit_loop.INTERNAL_CALLBACKS.pop("exact_resume")
 
     inputs = keras.Input((4,))
     hidden = keras.layers.Dense(8, activation="tanh")(inputs)

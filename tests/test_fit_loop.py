@@ -159,6 +159,83 @@ def test_epoch_iterator_is_restored_after_fit():
     assert "_enumerate_iterator" not in captured[0].__dict__
 
 
+def test_internal_callbacks_run_in_their_declared_order(tmp_path):
+    """`INTERNAL_CALLBACKS` is the one list: its "before" entries, each user callback with its
+    "after_each" entries, then its "after" entries."""
+    places = [entry.place for entry in fit_loop.INTERNAL_CALLBACKS.values()]
+    assert places == sorted(places, key=["before", "after_each", "after"].index)
+    x, y = make_data(32)
+    model = make_model("auto")
+    model.compile(keras.optimizers.SGD(0.01), "mse", steps_per_execution="auto", micro_batch_size=2)
+    seen = []
+
+    class Record(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            seen.extend(type(c).__name__ for c in fit_loop.current_run(self.model).callbacks)
+
+    backup = keras.callbacks.BackupAndRestore(str(tmp_path / "backup"), save_freq=3)
+    board = keras.callbacks.TensorBoard(str(tmp_path / "tb"), write_graph=True)
+    model.fit(x, y, batch_size=4, epochs=1, verbose=0, callbacks=[backup, board, Record()])
+    assert seen == [
+        "_ExecutionClock",
+        "BackupAndRestore",
+        "_MidEpochResume",
+        "TensorBoard",
+        "TensorBoardModelSummary",
+        "Record",
+        "BatchSizeMonitor",
+        "NonFiniteMonitor",
+    ]
+
+
+class _AtPowersOfTwo(keras.callbacks.Callback):
+    """A user callback with step events after optimizer steps 1, 2, 4, 8, ..."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def steps_until_next_event(self, step):
+        return (1 << step.bit_length()) - step
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.seen.append(iterations(self.model))
+
+
+class _AfterEveryTenthBatch(keras.callbacks.Callback):
+    """A user callback with step events after batches 9, 19, 29, ... of every epoch."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def batches_until_next_event(self, batch):
+        return 10 - batch % 10
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.seen.append(batch)
+
+
+@pytest.mark.parametrize("callback", [_AtPowersOfTwo, _AfterEveryTenthBatch])
+def test_auto_respects_the_step_events_of_a_user_callback(callback):
+    """The protocol of `keras_fastloop.callbacks.events`: every execution ends at the user
+    callback's next event, and the run trains like one step per execution."""
+    x, y = make_data(256)  # 64 batches of 4 per epoch, 2 epochs: 128 steps
+    reference = make_model()
+    reference.fit(dataset(x, y), epochs=2, verbose=0)
+    model = make_model("auto")
+    user = callback()
+    model.fit(dataset(x, y), epochs=2, verbose=0, callbacks=[user])
+    assert max(k for _, k in executions(model)) > 1  # it grouped steps
+    if callback is _AtPowersOfTwo:
+        expected = [1, 2, 4, 8, 16, 32, 64, 128]
+    else:
+        expected = [9, 19, 29, 39, 49, 59] * 2
+    assert [v for v in user.seen if v in set(expected)] == expected
+    assert iterations(model) == 128
+    assert max_weight_difference(model, reference) <= 1e-6
+
+
 def test_optimized_model_is_not_based_on_a_callbacks_module():
     for base in OptimizedModel.__mro__:
         assert ".callbacks" not in base.__module__, base

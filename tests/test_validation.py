@@ -6,7 +6,7 @@ from _helpers import fresh_user_mlp
 
 import keras_fastloop as kf
 from keras_fastloop import _validation, mixed_precision
-from keras_fastloop.tuning.tuner import StepsPerExecutionTuner, validate_steps_per_execution
+from keras_fastloop.tuning import StepsPerExecutionTuner, validate_steps_per_execution
 from keras_fastloop.weighting import _utils
 
 

@@ -4,25 +4,29 @@
 one compiled execution while `fit` runs (Keras 2 had this; Keras 3 dropped it). The parts:
 
 - `.tuner`: `StepsPerExecutionTuner`, a pure state machine fed with
-  `(steps, seconds)` measurements;
-- `.events`: the step events every execution ends at (step-gated callbacks);
-- `._glue`: the compile-time state and the variable-count train function; the grouping of
-  batches into executions is one of the epoch transforms of `keras_fastloop._fit_loop`;
+  `(steps, seconds)` measurements (`._cost_model`: the alpha-beta model it fits);
+- `._glue`: the `compile` argument, the per-model state `AutoSteps` (driven through its
+  methods by the running `fit`, `keras_fastloop._fit_run.FitRun`, which groups batches into
+  executions) and the variable-count train function;
+- the step events every execution ends at: the protocol of `keras_fastloop.callbacks.events`
+  (also importable as `.events`);
 - `.recommended`: `recommended_setup`, `optimize_pipeline` and `onednn_off_on_x86`.
 
 The design (what Keras 3.15 allows, the grouping rule, what is not tuned) is in
 `docs/fit_loop.md`.
 """
 
-from keras_fastloop.tuning._glue import (  # noqa: F401 - used as kf.tuning.<name>
-    make_train_function,
-    resolve_steps_per_execution,
-    steps_per_execution_tuner,
-)
-from keras_fastloop.tuning.events import (  # noqa: F401
+from keras_fastloop.callbacks.events import (  # noqa: F401
     batches_until_next_event,
     event_periods,
     steps_until_next_event,
+)
+from keras_fastloop.tuning._glue import (  # noqa: F401 - used as kf.tuning.<name>
+    AUTO,
+    make_train_function,
+    resolve_steps_per_execution,
+    steps_per_execution_tuner,
+    validate_steps_per_execution,
 )
 from keras_fastloop.tuning.recommended import (
     RecommendedSetup,
@@ -30,11 +34,7 @@ from keras_fastloop.tuning.recommended import (
     optimize_pipeline,
     recommended_setup,
 )
-from keras_fastloop.tuning.tuner import (  # noqa: F401
-    AUTO,
-    StepsPerExecutionTuner,
-    validate_steps_per_execution,
-)
+from keras_fastloop.tuning.tuner import StepsPerExecutionTuner
 
 __all__ = [
     "StepsPerExecutionTuner",

@@ -2,40 +2,182 @@
 
 Keras' multi-step `tf.function` has `steps_per_execution` baked in as a Python int; here the
 step count is a tensor argument, so one trace serves every count (`docs/fit_loop.md`). The
-grouping of batches into executions lives in `keras_fastloop._fit_loop`.
+grouping of batches into executions is `keras_fastloop._fit_run.FitRun`'s, which drives
+this module's `AutoSteps` through its methods.
 """
 
 from __future__ import annotations
 
 import time
+import warnings
 
 import keras
 import tensorflow as tf
 
-from keras_fastloop.tuning.tuner import (
-    AUTO,
-    AUTO_MAX_SECONDS_PER_STEP,
-    StepsPerExecutionTuner,
-    validate_steps_per_execution,
-)
+from keras_fastloop import _validation
+from keras_fastloop._warnings import FastloopWarning
+from keras_fastloop.callbacks import events
+from keras_fastloop.tuning.tuner import StepsPerExecutionTuner
+
+AUTO = "auto"
+# `max_seconds_per_step` of the tuner that `steps_per_execution="auto"` creates (seconds)
+AUTO_MAX_SECONDS_PER_STEP = 0.05
 
 
-class _AutoState:
-    """Per-model runtime state of `steps_per_execution="auto"` (not serialized)."""
+def validate_steps_per_execution(value: int | str) -> int | str:
+    """Checks a `steps_per_execution` argument.
+
+    Args:
+        value: `"auto"` or a positive int.
+
+    Returns:
+        The value, unchanged (a Python int or `"auto"`).
+
+    Raises:
+        ValueError: if it is neither `"auto"` nor a positive int.
+
+    Example:
+        >>> validate_steps_per_execution("auto")
+        'auto'
+    """
+    if value == AUTO and isinstance(value, str):
+        return value
+    if _validation.is_int(value) and value >= 1:
+        return int(value)
+    raise ValueError(
+        '`steps_per_execution` must be "auto" or a positive integer. '
+        f"Received: steps_per_execution={value!r}"
+    )
+
+
+class AutoSteps:
+    """Per-model runtime state of `steps_per_execution="auto"` (not serialized).
+
+    The fit run (`keras_fastloop._fit_run.FitRun`) drives it, in this order per `fit`:
+    `begin_fit`, `plan` (once the epoch iterator is known), then per execution
+    `start_grouping` (first epoch), `propose`, `begin_execution`, `end_execution`; finally
+    `end_fit`. Its `execution_clock` callback runs first among `fit`'s callbacks.
+
+    Attributes:
+        tuner: the `StepsPerExecutionTuner` (replaceable before `fit`).
+        clock: callable returning seconds (`time.perf_counter`; tests replace it).
+    """
 
     def __init__(self, tuner):
         self.tuner = tuner
-        self.k = 1  # steps of the execution about to run; read by the train function
         self.clock = time.perf_counter
-        self.execution_end = None  # clock() at the running execution's first on_train_batch_end
-        self.traced = False  # whether the last train-function call traced a function
-        self.execution_clock = None  # the fit loop's callback that sets it
-        self.executions = []  # (begin_step, steps) of the current fit, for tests and reports
-        self.variable_steps = False  # the train function is the variable-count one (glue)
+        self.execution_clock = _ExecutionClock(self)
+        self._k = 1  # steps of the execution about to run; read by the train function
+        self._execution_end = None  # clock() at the running execution's on_train_batch_end
+        self._traced = False  # whether the last train-function call traced a function
+        self._executions = []  # (begin_step, steps) of the current fit
+        self._variable_steps = False  # the train function is the variable-count one
         # this fit groups steps: every execution, one step included, runs the loop function,
-        # so it is the only function compiled (decided by the fit loop once per fit; `None`
-        # until then: one-step executions run Keras' one-step function)
-        self.use_loop = False
+        # so it is the only function compiled (decided once per fit by `start_grouping`;
+        # `None` until then: one-step executions run Keras' one-step function)
+        self._use_loop = False
+
+    @property
+    def executions(self):
+        """`(begin_step, steps)` of each execution of the current (or last) `fit`."""
+        return self._executions
+
+    def begin_fit(self):
+        """Starts a `fit`: no executions yet, the loop decision open, the tuner told."""
+        self._executions = []
+        self._use_loop = None
+        self.tuner.begin(warmup=False)  # the executions that trace are left out instead
+
+    def plan(self, callbacks, num_batches, accumulation):
+        """Caps the tuner at the shortest event period and the epoch (`fit`'s epoch iterator
+        is known), and warns when a callback forces one step per execution.
+
+        Args:
+            callbacks: the `fit`'s callbacks (a list).
+            num_batches: int or `None`, batches per epoch.
+            accumulation: int >= 1, batches per optimizer step.
+        """
+        for callback in callbacks:
+            if events.counts_calls(callback):
+                warnings.warn(
+                    'steps_per_execution="auto" runs one step per execution in this fit: '
+                    f"{type(callback).__name__}(update_freq={callback.update_freq}) numbers "
+                    "its batch summaries by calls, so grouped steps would be written at the "
+                    'wrong steps. With update_freq="epoch" "auto" groups steps.',
+                    FastloopWarning,
+                    stacklevel=4,
+                )
+                break
+        periods = events.event_periods(callbacks, accumulation)
+        if num_batches:
+            periods.append(int(num_batches))
+        self.tuner.set_horizon(min(periods) if periods else None)
+
+    def start_grouping(self, length_known):
+        """Whether this epoch may group steps: the data's length is known and the train
+        function is the variable-count one (one Keras built before, e.g. under `run_eagerly`,
+        runs one step whatever the count). At the fit's first epoch it also decides, once,
+        which function compiles: the loop (one step included) when this fit may group, else
+        Keras' one-step function (a cap of 1, or a count settled at 1 by an earlier fit).
+
+        Args:
+            length_known: bool, the data's number of batches is known.
+        """
+        groupable = length_known and self._variable_steps
+        if self._use_loop is None:
+            tuner = self.tuner
+            self._use_loop = (
+                groupable and tuner.cap > 1 and not (tuner.phase == "settled" and tuner.steps == 1)
+            )
+        return groupable
+
+    def propose(self, limit):
+        """The steps of the next execution (`StepsPerExecutionTuner.propose`)."""
+        return self.tuner.propose(limit)
+
+    def begin_execution(self, begin, steps):
+        """The next train-function call runs `steps` steps from batch `begin`.
+
+        Returns:
+            The clock reading at its start.
+        """
+        self._k = steps
+        self._executions.append((begin, steps))
+        self._execution_end = None
+        self._traced = False
+        return self.clock()
+
+    def end_execution(self, steps, start, at_event):
+        """Feeds the tuner the execution begun at clock reading `start`, if it ran to its
+        `on_train_batch_end` without tracing a function.
+
+        It is timed to now (Keras asks for the next slot: the callbacks' per-batch work, which
+        grouping saves too, is part of it), or, when it ended at a step event (`at_event`), to
+        its first `on_train_batch_end`: the event's work (a checkpoint, a validation) is not
+        the execution's.
+        """
+        end = self._execution_end if at_event else self.clock()
+        if self._execution_end is not None and not self._traced:
+            self.tuner.observe(steps, end - start)
+
+    def end_fit(self):
+        """Back to one step per call with Keras' one-step function (`train_on_batch` & co.)."""
+        self._k, self._use_loop = 1, False
+
+    def _mark_execution_end(self):
+        self._execution_end = self.clock()
+
+
+class _ExecutionClock(keras.callbacks.Callback):
+    """Marks the end of each execution for `"auto"`, before any other callback's
+    `on_train_batch_end` (see `AutoSteps.end_execution`)."""
+
+    def __init__(self, state):
+        super().__init__()
+        self._state = state
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._state._mark_execution_end()
 
 
 def resolve_steps_per_execution(value, tuner=None):
@@ -61,12 +203,12 @@ def resolve_steps_per_execution(value, tuner=None):
             tuner = StepsPerExecutionTuner(
                 max_seconds_per_step=AUTO_MAX_SECONDS_PER_STEP, largest_first=True
             )
-        return 1, _AutoState(tuner)
+        return 1, AutoSteps(tuner)
     return value, None
 
 
 def auto_state(model):
-    """The model's `_AutoState`, or `None` when it was not compiled with `"auto"`."""
+    """The model's `AutoSteps`, or `None` when it was not compiled with `"auto"`."""
     return getattr(model, "_fastloop_auto_spe", None)
 
 
@@ -105,6 +247,13 @@ def tunable(model):
         and not multi_worker.is_multi_worker(strategy)
         and strategy.num_replicas_in_sync == 1
     )
+
+
+def fit_state(model):
+    """The model's `AutoSteps` when `"auto"` may group steps in this `fit` (`tunable`), else
+    `None`."""
+    state = auto_state(model)
+    return state if state is not None and tunable(model) else None
 
 
 def _variable_steps_function(model, step_function, state):
@@ -181,22 +330,22 @@ def _variable_steps_function(model, step_function, state):
     def traces():
         return sum(f.experimental_get_tracing_count() for f in traceable)
 
-    state.variable_steps = True
+    state._variable_steps = True
 
     def function(iterator):
         if isinstance(iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)):
             before = traces()
             try:
-                if state.k == 1 and not state.use_loop:
+                if state._k == 1 and not state._use_loop:
                     return one_step_on_iterator(iterator)
-                optional = multi_step_on_iterator(iterator, tf.constant(state.k, tf.int32))
+                optional = multi_step_on_iterator(iterator, tf.constant(state._k, tf.int32))
                 if not optional.has_value():
                     raise StopIteration
                 return optional.get_value()
             finally:
-                state.traced = traces() > before  # the tuner leaves such executions out
+                state._traced = traces() > before  # the tuner leaves such executions out
         outputs = None
-        for _, data in zip(range(max(1, state.k)), iterator):  # train_on_batch & co.
+        for _, data in zip(range(max(1, state._k)), iterator):  # train_on_batch & co.
             outputs = one_step_on_data(data)
         return outputs
 

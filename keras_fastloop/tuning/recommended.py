@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import keras
 import tensorflow as tf
 
-from keras_fastloop.tuning.tuner import AUTO
+from keras_fastloop.tuning._glue import AUTO
 
 if TYPE_CHECKING:
     from keras_fastloop.mixed_precision import HardwareInfo, PolicyChoice

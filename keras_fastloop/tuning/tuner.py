@@ -1,10 +1,8 @@
-# Over 500 lines on purpose: one state machine (`StepsPerExecutionTuner`) whose transitions read
-# and write the same fields; split into files, one transition table would be spread over them.
 """The pure `steps_per_execution` tuner: a state machine fed with `(steps, seconds)`.
 
-
 It knows no clock and no model, so tests drive it with made-up numbers. How `fit` uses it is in
-`keras_fastloop._fit_loop` and `docs/fit_loop.md`.
+`keras_fastloop.tuning._glue.AutoSteps` and `docs/fit_loop.md`; the cost model it fits is
+`keras_fastloop.tuning._cost_model`.
 
 Reference: Keras 2.13 `keras/utils/steps_per_execution_tuning.py` (the runtime tuner Keras 3
 dropped).
@@ -17,46 +15,12 @@ import statistics
 from typing import Any
 
 from keras_fastloop import _validation
+from keras_fastloop.tuning import _cost_model as cost_model
 
-__all__ = [
-    "AUTO",
-    "AUTO_MAX_SECONDS_PER_STEP",
-    "StepsPerExecutionTuner",
-    "validate_steps_per_execution",
-]
-
-AUTO = "auto"
-# `max_seconds_per_step` of the tuner that `steps_per_execution="auto"` creates (seconds)
-AUTO_MAX_SECONDS_PER_STEP = 0.05
+__all__ = ["StepsPerExecutionTuner"]
 
 # relative slack of the gain thresholds: the ratio of two equal timings can be 1 - 1e-16
 _ROUNDING = 1e-9
-
-
-def validate_steps_per_execution(value: int | str) -> int | str:
-    """Checks a `steps_per_execution` argument.
-
-    Args:
-        value: `"auto"` or a positive int.
-
-    Returns:
-        The value, unchanged (a Python int or `"auto"`).
-
-    Raises:
-        ValueError: if it is neither `"auto"` nor a positive int.
-
-    Example:
-        >>> validate_steps_per_execution("auto")
-        'auto'
-    """
-    if value == AUTO and isinstance(value, str):
-        return value
-    if _validation.is_int(value) and value >= 1:
-        return int(value)
-    raise ValueError(
-        '`steps_per_execution` must be "auto" or a positive integer. '
-        f"Received: steps_per_execution={value!r}"
-    )
 
 
 class StepsPerExecutionTuner:
@@ -478,28 +442,10 @@ class StepsPerExecutionTuner:
         self._settle(reason="cost model")
 
     def _cost_model_count(self, best, candidate):
-        """The count where the fitted `T(k) = a + b * k` puts the overhead share `a / T(k)` at
-        `overhead_tolerance`, within `max_seconds_per_execution`, at least the candidate's,
-        at most the cap; `None` where the fit cannot extrapolate (no positive overhead, or
-        timings beyond float range). `best`, `candidate`: `(steps, median seconds per
-        execution)`."""
-        (k1, t1), (k2, t2) = best, candidate
-        per_step = (t2 - t1) / (k2 - k1)
-        overhead = t1 - per_step * k1
-        if not (math.isfinite(per_step) and math.isfinite(overhead)):
-            return None  # timings beyond float range: no extrapolation
-        if per_step <= 0:  # no measurable cost per step: only the time bound, at the
-            # candidate's own time per step
-            wanted, in_time = math.inf, self._steps_in_time(k2, t2)
-        elif overhead <= 0:  # the gain was not the overhead's (noise): no extrapolation
-            return None
-        else:
-            tolerance = self.overhead_tolerance
-            denominator = per_step * tolerance  # > 0 unless it underflows
-            wanted = overhead * (1 - tolerance) / denominator if denominator > 0 else math.inf
-            in_time = (self.max_seconds_per_execution - overhead) / per_step
-        cap = self.cap
-        return max(k2, min(math.ceil(min(wanted, cap) - 1e-9), math.floor(min(in_time, cap))))
+        """`cost_model.overhead_count` with this tuner's bounds."""
+        return cost_model.overhead_count(
+            best, candidate, self.overhead_tolerance, self.max_seconds_per_execution, self.cap
+        )
 
     def _settle(self, reason):
         self.phase = "settled"
