@@ -188,12 +188,6 @@ def _compile_options(model):
     return type(model).__name__, repr(step.clipper), step.micro_batch_size, step.nonfinite
 
 
-# The file of a user's subclass names that class, whose own (Keras') compile refuses the options.
-_LOAD_OPEN = {
-    "optimized_subclass": "issue 51 item 1: kf.optimized(keras.Model subclass) with options"
-}
-
-
 def _paths(open_cells):
     return [
         pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=open_cells[name]))
@@ -203,7 +197,7 @@ def _paths(open_cells):
     ]
 
 
-@pytest.mark.parametrize("path", _paths(_LOAD_OPEN))
+@pytest.mark.parametrize("path", list(PATHS))
 def test_fit_save_load_fit_equals_uninterrupted(path, tmp_path):
     build = PATHS[path]
     whole = _trained(build, tmp_path, epochs=2)
@@ -233,7 +227,7 @@ def test_summary_and_config_round_trip(path, tmp_path, capsys):
 _CLONE_REFUSED = {"sequential", "optimized_sequential"}
 
 
-@pytest.mark.parametrize("path", _paths(_LOAD_OPEN))
+@pytest.mark.parametrize("path", list(PATHS))
 def test_clone_model(path, tmp_path):
     model = PATHS[path](tmp_path)
     if path in _CLONE_REFUSED:
