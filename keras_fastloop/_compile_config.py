@@ -16,7 +16,6 @@ from keras_fastloop import _keras_internals as internals
 from keras_fastloop import _registry
 from keras_fastloop._step import losses
 
-
 # `keras.Model.compile`'s arguments: any other key of a saved config is one of the step's options.
 _KERAS_COMPILE_KEYS = {
     "optimizer",
