@@ -339,3 +339,26 @@ def test_backup_and_restore_mid_epoch_resume_equals_uninterrupted(path, tmp_path
     _fit(resumed, build, epochs=2, callbacks=[backup])
     for got, want in zip(resumed.get_weights(), whole.get_weights()):
         np.testing.assert_allclose(got, want, atol=1e-6, rtol=0)
+
+
+class Unregistered(keras.Model):
+    """A `keras.Model` subclass nobody registered."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.head = keras.layers.Dense(2, activation="softmax")
+
+    def call(self, x):
+        return self.head(x)
+
+
+def test_optimized_unregistered_subclass_load_says_register(tmp_path):
+    model = kf.optimized(_compile(Unregistered()), **OPTIONS)
+    model.save(tmp_path / "m.keras")
+    with pytest.raises(TypeError, match="register_keras_serializable.*Unregistered"):
+        keras.saving.load_model(tmp_path / "m.keras")
+    loaded = keras.saving.load_model(
+        tmp_path / "m.keras", custom_objects={"Unregistered": Unregistered}
+    )
+    assert isinstance(loaded, Unregistered) and isinstance(loaded, kf.OptimizedTrainer)
+    assert _compile_options(loaded) == _compile_options(model)
