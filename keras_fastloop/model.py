@@ -246,7 +246,10 @@ def optimized(model: keras.Model, **options: Any) -> keras.Model:
     `train_step` if it has one) and saves and loads as its class with the step and its
     options; Keras' own functional and Sequential models become `OptimizedModel` and
     `OptimizedSequential` (their file names the class whose `compile` knows the options, so
-    `keras.saving.load_model` needs no `custom_objects`). With every option off it trains
+    `keras.saving.load_model` needs no `custom_objects`); a model of any other class saves
+    under `"keras_fastloop>OptimizedSubclass"` with its class' registered name, and loads
+    back with the step once that class is registered (as Keras requires of any subclass;
+    `get_config()` holds the key `"keras_fastloop_class"`). With every option off it trains
     exactly as before. A compiled model is compiled again with its own arguments (the
     same optimizer object, so its state is kept) plus `options`.
 
