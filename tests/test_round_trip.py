@@ -362,3 +362,50 @@ def test_optimized_unregistered_subclass_load_says_register(tmp_path):
     )
     assert isinstance(loaded, Unregistered) and isinstance(loaded, kf.OptimizedTrainer)
     assert _compile_options(loaded) == _compile_options(model)
+
+
+@pytest.mark.slow  # two small BERT tasks trained, saved, loaded
+def test_kerashub_task_optimized_round_trip(tmp_path):
+    """A real KerasHub task (random weights, no download) given the step by `kf.optimized`."""
+    keras_hub = pytest.importorskip("keras_hub")
+    from test_existing_models import LABELS, TEXTS, VOCABULARY
+
+    def build():
+        keras.utils.set_random_seed(5)
+        backbone = keras_hub.models.BertBackbone(
+            vocabulary_size=len(VOCABULARY),
+            num_layers=1,
+            num_heads=2,
+            hidden_dim=8,
+            intermediate_dim=16,
+            max_sequence_length=8,
+            dropout=0.0,
+        )
+        tokenizer = keras_hub.models.BertTokenizer(vocabulary=VOCABULARY)
+        preprocessor = keras_hub.models.BertTextClassifierPreprocessor(tokenizer, sequence_length=8)
+        task = keras_hub.models.BertTextClassifier(
+            backbone=backbone, preprocessor=preprocessor, num_classes=2, dropout=0.0
+        )
+        kf.optimized(task).compile(**OPTIONS)  # the task's own "auto" optimizer and loss
+        return task
+
+    def fit(model, epochs):
+        return model.fit(TEXTS, LABELS, batch_size=8, epochs=epochs, shuffle=False, verbose=0)
+
+    whole, first = build(), build()
+    fit(whole, 2)
+    fit(first, 1)
+    first.save(tmp_path / "m.keras")
+    loaded = keras.saving.load_model(tmp_path / "m.keras")
+    assert isinstance(loaded, keras_hub.models.BertTextClassifier)
+    assert _compile_options(loaded) == _compile_options(first)
+    fit(loaded, 1)
+    for got, want in zip(loaded.get_weights(), whole.get_weights()):
+        np.testing.assert_allclose(got, want, atol=1e-6, rtol=0)
+    assert loaded.predict(["the cat"], verbose=0).shape == (1, 2)  # preprocessor kept
+    # A functional subclass clones as a stock Functional (keras-team/keras#20888): the guide's recipe.
+    with pytest.raises(TypeError, match="gradient_clipping"):
+        keras.models.clone_model(first)
+    clone = type(first).from_config(first.get_config())
+    clone.compile_from_config(first.get_compile_config())
+    assert _compile_options(clone) == _compile_options(first)
