@@ -2,8 +2,9 @@
 
 Paths (`PATHS`): the default functional step, an own `train_step` calling
 `fastloop_step.minimize`, `kf.optimized` of a stock, a loaded and a subclassed model,
-`OptimizedSequential`, `kf.optimized(keras.Sequential)`, UW and PCGrad, and a subclassed UW
-model with `micro_batch_size`; all with `gradient_clipping`, `log_metrics` and
+`OptimizedSequential`, `kf.optimized(keras.Sequential)`, a KerasHub-like class with its own
+`compile`, a `RematScope` model, UW and PCGrad, and a subclassed UW model with
+`micro_batch_size` (and, apart, a real KerasHub task); all with `gradient_clipping`, `log_metrics` and
 `nonfinite="raise"`, on real data (`load_digits_data`, 64 images, 64 pixels each). Checked:
 fit -> save -> `load_model` (no `custom_objects`) -> fit equals fit uninterrupted (1e-6) with the
 options kept; a mid-epoch interruption resumed by `BackupAndRestore` equals uninterrupted; the
