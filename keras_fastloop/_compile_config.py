@@ -16,6 +16,19 @@ from keras_fastloop import _keras_internals as internals
 from keras_fastloop import _registry
 from keras_fastloop._step import losses
 
+# `keras.Model.compile`'s arguments: any other key of a saved config is one of the step's options.
+_KERAS_COMPILE_KEYS = {
+    "optimizer",
+    "loss",
+    "loss_weights",
+    "metrics",
+    "weighted_metrics",
+    "run_eagerly",
+    "steps_per_execution",
+    "jit_compile",
+    "auto_scale_loss",
+}
+
 
 def get_compile_config(model):
     """The model's compile config (a dict; `{}` when it is not compiled)."""
@@ -42,12 +55,14 @@ def compile_from_config(model, config, custom_compile):
             nothing is compiled and a `UserWarning` says so.
     """
     if custom_compile:
+        options = sorted(set(config) - _KERAS_COMPILE_KEYS - {"task_names", "task_weights"})
+        saved = f" The saved compile config holds the step's options {options}." if options else ""
         warnings.warn(
             "`compile()` was not called as part of model loading because the model's "
             "`compile()` method is custom. All subclassed Models that have `compile()` "
             "overridden should also override `get_compile_config()` and "
             "`compile_from_config(config)`. Alternatively, you can call `compile()` "
-            "manually after loading.",
+            f"manually after loading.{saved}",
             stacklevel=3,
         )
         return

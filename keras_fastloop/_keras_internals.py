@@ -114,15 +114,13 @@ def tensorboard_train_writer(callback):
     return callback._train_writer
 
 
-def save_as(variant, cls):
-    """Keras saves instances of `variant` under `cls`' registered name (and loads `cls`).
+def save_as(variant, registered_name):
+    """Keras saves instances of `variant` under `registered_name`.
 
     Only the name mapping is set (`object_registration.GLOBAL_CUSTOM_NAMES`); the object
-    registry keeps `cls` under that name.
+    registry (what `registered_name` loads as) is left as it is.
     """
-    registered = keras.saving.get_registered_name(cls)
-    if registered != cls.__name__:
-        object_registration.GLOBAL_CUSTOM_NAMES[variant] = registered
+    object_registration.GLOBAL_CUSTOM_NAMES[variant] = registered_name
 
 
 def onednn_enabled():

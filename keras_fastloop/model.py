@@ -160,25 +160,81 @@ def _optimized_class(cls):
 _TRAINER_VARIANTS = {}
 # Methods a model's own class keeps over the trainer's (its step, its loss, its metrics).
 _CLASS_OWN = ("train_step", "test_step", "compute_loss", "compute_metrics")
+# The config key naming the model's own class (its registered name) in a variant's config.
+CLASS_KEY = "keras_fastloop_class"
+_VARIANT_NAME = f"{_registry.PACKAGE}>OptimizedSubclass"
 
 
 def _trainer_variant(cls):
     """`cls` with the trainer mixin first, created once per class.
 
-    It has `cls`' name, module and registered name, so instances save as `cls` and load back
-    as `cls`; the methods of `_CLASS_OWN` that `cls` (or a non-Keras base) defines stay
-    `cls`' own.
+    It has `cls`' name and module; the methods of `_CLASS_OWN` that `cls` (or a non-Keras
+    base) defines stay `cls`' own. It saves under the registered name
+    `"keras_fastloop>OptimizedSubclass"` with `cls`' registered name in its config
+    (`CLASS_KEY`), so `keras.saving.load_model` rebuilds the variant, whose `compile` knows
+    the step's options (`cls`' own `compile` would refuse them); `cls` must be registered
+    with `keras.saving.register_keras_serializable`, as Keras requires of any subclass.
     """
     if cls not in _TRAINER_VARIANTS:
-        namespace = {"__module__": cls.__module__, "__qualname__": cls.__qualname__}
+
+        def get_config(self):
+            config = super(variant, self).get_config()
+            return {**config, CLASS_KEY: keras.saving.get_registered_name(cls)}
+
+        @classmethod
+        def from_config(klass, config, **kwargs):
+            config = {key: value for key, value in config.items() if key != CLASS_KEY}
+            return super(variant, klass).from_config(config, **kwargs)
+
+        namespace = {
+            "__module__": cls.__module__,
+            "__qualname__": cls.__qualname__,
+            "get_config": get_config,
+            "from_config": from_config,
+        }
         for name in _CLASS_OWN:
             owner = next(klass for klass in cls.__mro__ if name in vars(klass))
             if not owner.__module__.startswith("keras."):
                 namespace[name] = vars(owner)[name]
         variant = type(cls.__name__, (OptimizedTrainer, cls), namespace)
-        internals.save_as(variant, cls)
+        internals.save_as(variant, _VARIANT_NAME)
         _TRAINER_VARIANTS[cls] = variant
     return _TRAINER_VARIANTS[cls]
+
+
+class _OptimizedSubclass:
+    """What `"keras_fastloop>OptimizedSubclass"` loads as: a model given the step by `optimized`.
+
+    Its `from_config` finds the model's own class by the registered name in the config,
+    builds the model with it and gives it the step's class (`_trainer_variant`); Keras then
+    compiles it with the saved compile config, options included.
+    """
+
+    @staticmethod
+    def get_config():
+        return {}
+
+    @staticmethod
+    def from_config(config, custom_objects=None):
+        """Rebuilds the model of `config` (a `_trainer_variant` config) as its variant.
+
+        Raises:
+            TypeError: the model's class is not registered under the saved name.
+        """
+        name = config.get(CLASS_KEY)
+        cls = keras.saving.get_registered_object(name, custom_objects=custom_objects)
+        if not (isinstance(cls, type) and issubclass(cls, keras.Model)):
+            raise TypeError(
+                "This model was given the step by `keras_fastloop.optimized` and saved as an "
+                "instance of its own class, which must be registered under its saved name "
+                "to load: decorate it with `@keras.saving.register_keras_serializable()` and "
+                "import it before loading, or pass `custom_objects={name: cls}`. "
+                f"Received: {CLASS_KEY}={name!r} (found {cls!r})"
+            )
+        return _trainer_variant(cls).from_config(config)
+
+
+keras.saving.get_custom_objects()[_VARIANT_NAME] = _OptimizedSubclass
 
 
 def optimized(model: keras.Model, **options: Any) -> keras.Model:
@@ -190,7 +246,10 @@ def optimized(model: keras.Model, **options: Any) -> keras.Model:
     `train_step` if it has one) and saves and loads as its class with the step and its
     options; Keras' own functional and Sequential models become `OptimizedModel` and
     `OptimizedSequential` (their file names the class whose `compile` knows the options, so
-    `keras.saving.load_model` needs no `custom_objects`). With every option off it trains
+    `keras.saving.load_model` needs no `custom_objects`); a model of any other class saves
+    under `"keras_fastloop>OptimizedSubclass"` with its class' registered name, and loads
+    back with the step once that class is registered (as Keras requires of any subclass;
+    `get_config()` holds the key `"keras_fastloop_class"`). With every option off it trains
     exactly as before. A compiled model is compiled again with its own arguments (the
     same optimizer object, so its state is kept) plus `options`.
 

@@ -119,7 +119,7 @@ def test_every_keras_internal_we_use_still_exists_with_its_signature():
 
 
 def test_saved_as_names_the_class_keras_registered():
-    """`save_as` writes Keras' registry of names: a variant saves under its class' name."""
+    """`save_as` writes Keras' registry of names: a variant saves under the name given."""
     import keras
 
     from keras_fastloop import _keras_internals as internals
@@ -131,9 +131,10 @@ def test_saved_as_names_the_class_keras_registered():
         pass
 
     variant = type("Registered", (Registered,), {})
-    internals.save_as(variant, Registered)
-    assert keras.saving.get_registered_name(variant) == "fastloop_test>Registered"
+    internals.save_as(variant, "fastloop_test>Variant")
+    assert keras.saving.get_registered_name(variant) == "fastloop_test>Variant"
     assert keras.saving.get_registered_object("fastloop_test>Registered") is Registered
+    assert keras.saving.get_registered_object("fastloop_test>Variant") is None
 
 
 # --------------------------------------------- keras_fastloop/_fit_loop.py, resume.py, tuning/
