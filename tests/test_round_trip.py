@@ -15,6 +15,7 @@ logged `loss` and `grad_norm` equal a `GradientTape` computation; `summary`,
 from __future__ import annotations
 
 import copy
+import os
 
 import keras
 import numpy as np
@@ -410,3 +411,59 @@ def test_kerashub_task_optimized_round_trip(tmp_path):
     clone = type(first).from_config(first.get_config())
     clone.compile_from_config(first.get_compile_config())
     assert _compile_options(clone) == _compile_options(first)
+
+
+FRESH_PROCESS = """
+import sys
+
+import keras
+import numpy as np
+
+import keras_fastloop as kf
+
+
+@keras.saving.register_keras_serializable("fresh")
+class Mine(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.head = keras.layers.Dense(2)
+
+    def call(self, x):
+        return self.head(x)
+
+
+x = np.linspace(-1, 1, 64, dtype="float32").reshape(16, 4)
+y = (np.arange(16) % 2).astype("int64")
+if sys.argv[1] == "save":
+    keras.utils.set_random_seed(1)
+    model = Mine()
+    model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    kf.optimized(model, gradient_clipping=0.5, nonfinite="raise")
+    model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    model.save(sys.argv[2])
+else:
+    model = keras.saving.load_model(sys.argv[2])
+    step = model.fastloop_step
+    print("LOADED", type(model).__mro__[1].__name__, isinstance(model, Mine),
+          repr(step.clipper), step.nonfinite)
+"""
+
+
+@pytest.mark.slow  # two fresh processes
+def test_optimized_subclass_loads_in_a_fresh_process(tmp_path):
+    """The generated class is found again where only the user's class is registered."""
+    import subprocess
+    import sys
+
+    script, path = tmp_path / "fresh.py", str(tmp_path / "m.keras")
+    script.write_text(FRESH_PROCESS)
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    for mode in ("save", "load"):
+        done = subprocess.run(
+            [sys.executable, str(script), mode, path], env=env, capture_output=True, text=True
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+    assert "LOADED" in done.stdout and " True " in done.stdout, done.stdout
+    assert "0.5" in done.stdout and done.stdout.strip().endswith("raise"), done.stdout
