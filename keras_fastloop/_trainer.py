@@ -42,10 +42,10 @@ from keras_fastloop._step import (
     multi_worker,
     objective,
     prebuild,
+    sam,
     update,
     user_metrics,
 )
-from keras_fastloop._step import sam
 
 
 def _exact_remat_method(step):
@@ -373,7 +373,9 @@ class OptimizedTrainer:
             optimizer.build(self.trainable_variables)
         grads, variables = gradients.connected(step, result.grads, variables)
         if step.sam_rho is not None and variables:  # compile(sam_rho=...): the gradient at w + e
-            grads = sam.second_gradient(self, step, x, y, sample_weight, grads, variables, optimizer)
+            grads = sam.second_gradient(
+                self, step, x, y, sample_weight, grads, variables, optimizer
+            )
         if not variables:
             warnings.warn("The model does not have any trainable weights.", stacklevel=2)
             update.record_metrics(self, step, result, tf.constant(True))

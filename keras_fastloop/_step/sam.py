@@ -49,7 +49,7 @@ def validate(sam_rho, sam_adaptive):
         if sam_adaptive:
             raise ValueError(
                 "`sam_adaptive=True` needs the neighbourhood radius `sam_rho` (e.g. 0.5 for "
-                f"ASAM). Received: sam_adaptive=True, sam_rho=None"
+                "ASAM). Received: sam_adaptive=True, sam_rho=None"
             )
         return None, False
     if (
