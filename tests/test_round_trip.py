@@ -189,7 +189,9 @@ def _compile_options(model):
 
 
 # The file of a user's subclass names that class, whose own (Keras') compile refuses the options.
-_LOAD_OPEN = {"optimized_subclass": "kf.optimized(keras.Model subclass) with options"}
+_LOAD_OPEN = {
+    "optimized_subclass": "kf.optimized(keras.Model subclass) with options"
+}
 
 
 def _paths(open_cells):
