@@ -101,9 +101,11 @@ def test_sam_clips_the_second_gradient_only():
 
 def test_sam_micro_batching_equals_full_batch():
     x, y = _digits()
-    full, _ = _fit(x, y, sam_rho=RHO)
-    micro, _ = _fit(x, y, sam_rho=RHO, micro_batch_size=8)
+    full, want = _fit(x, y, sam_rho=RHO, metrics=["accuracy"])
+    micro, got = _fit(x, y, sam_rho=RHO, micro_batch_size=8, metrics=["accuracy"])
     _assert_weights(micro, full.get_weights(), atol=1e-5)
+    for name in ("loss", "accuracy"):  # of the first pass only
+        np.testing.assert_allclose(got.history[name], want.history[name], rtol=1e-5)
 
 
 def test_sam_second_pass_leaves_metrics_and_statistics():
