@@ -218,11 +218,12 @@ def test_sam_mixed_float16_equals_hand_written_loop():
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_sam_two_replicas_uneven_equals_one():
+@pytest.mark.parametrize("options", [{}, {"micro_batch_size": 8, "gradient_clipping": 0.2}])
+def test_sam_two_replicas_uneven_equals_one(options):
     x, y = _digits(221)  # last batch of 29: 15 and 14 per replica
-    one, _ = _fit(x, y, sam_rho=RHO)
+    one, _ = _fit(x, y, sam_rho=RHO, **options)
     with two_replica_strategy().scope():
-        two, _ = _fit(x, y, sam_rho=RHO)
+        two, _ = _fit(x, y, sam_rho=RHO, **options)
     _assert_weights(two, one.get_weights(), atol=1e-5)
 
 
