@@ -261,3 +261,12 @@ def test_sam_survives_save_and_load(tmp_path):
     config = loaded.get_compile_config()
     assert config["sam_rho"] == RHO and config["sam_adaptive"] is True
     assert loaded.fastloop_step.sam_rho == RHO and loaded.fastloop_step.sam_adaptive
+
+
+def test_sam_through_optimized_equals_hand_written_loop():
+    x, y = _digits()
+    expected = _reference(x, y)
+    model = keras.Sequential(_layers())
+    model.compile(keras.optimizers.SGD(0.5), _loss())
+    kf.optimized(model, sam_rho=RHO).fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    _assert_weights(model, expected)
