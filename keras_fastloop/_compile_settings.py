@@ -25,6 +25,7 @@ from keras_fastloop import tuning
 from keras_fastloop import weighting as weighting_module
 from keras_fastloop._step import losses, scaling, user_metrics
 from keras_fastloop._step import micro_batching as micro_batching_module
+from keras_fastloop._step import sam as sam_module
 from keras_fastloop._step.results import LOG_METRICS
 from keras_fastloop._warnings import FastloopWarning
 
@@ -45,6 +46,8 @@ STEP_OPTIONS = (
     "micro_batch_size",
     "nonfinite",
     "log_metrics",
+    "sam_rho",
+    "sam_adaptive",
 )
 _KERAS_SIGNATURE = inspect.signature(keras.Model.compile)
 # `keras.Model.compile`'s arguments and defaults (optimizer="rmsprop", loss=None, ...).
@@ -127,6 +130,8 @@ class CompileSettings:
     nonfinite: str
     log_metrics: Any
     layout: tuple | None
+    sam_rho: float | None = None
+    sam_adaptive: bool = False
 
     def compile_config(self, jit_compile):
         """The `get_compile_config()` of the model, given Keras' resolved `jit_compile`.
@@ -140,6 +145,8 @@ class CompileSettings:
             "micro_batch_size": self.micro_batch_size,
             "nonfinite": None if self.nonfinite == "skip" else self.nonfinite,
             "log_metrics": self.log_metrics,
+            "sam_rho": self.sam_rho,
+            "sam_adaptive": self.sam_adaptive or None,
         }
         return internals.serialization_lib.SerializableDict(
             optimizer=self.optimizer,
@@ -225,6 +232,8 @@ def validate_compile_arguments(
     micro_batch_size,
     nonfinite,
     log_metrics,
+    sam_rho=None,
+    sam_adaptive=False,
 ):
     """Checks every argument of `compile` against each other and the model.
 
@@ -275,6 +284,9 @@ def validate_compile_arguments(
             )
     if overrides_train_step:
         _check_custom_step(type(model).__name__, weighting, loss_weighting, micro_batch_size)
+    sam_rho, sam_adaptive = sam_module.validate(sam_rho, sam_adaptive)
+    if sam_rho is not None:
+        sam_module.check_compatible(type(model).__name__, overrides_train_step, weighting, sam_rho)
     if micro_batch_size is not None and user_metrics.overrides_compute_metrics(model):
         raise ValueError(
             "`micro_batch_size` cannot be combined with an overridden `compute_metrics()`: "
@@ -317,6 +329,8 @@ def validate_compile_arguments(
         nonfinite=nonfinite,
         log_metrics=log_metrics,
         layout=layout,
+        sam_rho=sam_rho,
+        sam_adaptive=sam_adaptive,
     )
 
 

@@ -42,6 +42,7 @@ from keras_fastloop._step import (
     multi_worker,
     objective,
     prebuild,
+    sam,
     update,
     user_metrics,
 )
@@ -123,6 +124,8 @@ class OptimizedTrainer:
         micro_batch_size: int | None = None,
         nonfinite: str = "skip",
         log_metrics: str | Sequence[str] | None = None,
+        sam_rho: float | None = None,
+        sam_adaptive: bool = False,
         **kwargs: Any,
     ) -> None:
         """Configure the model for training: Keras' arguments plus the step's options.
@@ -155,6 +158,12 @@ class OptimizedTrainer:
                 the last good weights).
             log_metrics: `None` (default: those of the features that are on) or a list from
                 `("grad_norm", "skipped_steps", "loss_scale")`.
+            sam_rho: `None` (default) or a float > 0: sharpness-aware minimization (Foret
+                et al., ICLR 2021) with this neighbourhood radius (0.05 in the paper); each step
+                takes a second forward and backward pass at the weights moved by `sam_rho` along
+                the normalized gradient summed across replicas, and applies that gradient.
+            sam_adaptive: `False` (default) or `True`: ASAM's scale-invariant neighbourhood
+                (Kwon et al., ICML 2021; its paper uses larger radii, e.g. 0.5).
 
         Raises:
             TypeError: an argument `compile` does not take (the message names the closest
@@ -171,6 +180,8 @@ class OptimizedTrainer:
             micro_batch_size=micro_batch_size,
             nonfinite=nonfinite,
             log_metrics=log_metrics,
+            sam_rho=sam_rho,
+            sam_adaptive=sam_adaptive,
         )
         if compile_settings.class_compile_beside(type(self), OptimizedTrainer):
             # A class beside ours with its own compile defaults (a KerasHub task): it compiles
@@ -361,6 +372,10 @@ class OptimizedTrainer:
         if not optimizer.built:  # every trainable variable, the weighting's created just now
             optimizer.build(self.trainable_variables)
         grads, variables = gradients.connected(step, result.grads, variables)
+        if step.sam_rho is not None and variables:  # compile(sam_rho=...): the gradient at w + e
+            grads = sam.second_gradient(
+                self, step, x, y, sample_weight, grads, variables, optimizer
+            )
         if not variables:
             warnings.warn("The model does not have any trainable weights.", stacklevel=2)
             update.record_metrics(self, step, result, tf.constant(True))

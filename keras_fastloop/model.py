@@ -256,7 +256,8 @@ def optimized(model: keras.Model, **options: Any) -> keras.Model:
     Args:
         model: a `keras.Model` instance.
         **options: the step's `compile` options (`gradient_clipping`, `loss_weighting`,
-            `shared_variables`, `micro_batch_size`, `nonfinite`, `log_metrics`); for a model
+            `shared_variables`, `micro_batch_size`, `nonfinite`, `log_metrics`, `sam_rho`,
+            `sam_adaptive`); for a model
             that is not compiled yet, pass them to its `compile()` instead.
 
     Returns:

@@ -74,6 +74,7 @@ class TrainingStep:
         self.shared_variables = settings.shared_variables
         self.micro_batch_size = settings.micro_batch_size
         self.nonfinite = settings.nonfinite
+        self.sam_rho, self.sam_adaptive = settings.sam_rho, settings.sam_adaptive
         self.state = state
         self.metrics = StepMetrics(compile_settings.log_metric_names(settings, model.optimizer))
         self.tasks_known_at_compile = settings.layout is not None

@@ -30,6 +30,7 @@ SUITES = {
     "seed-table": "seed_table",
     "resnet": "resnet",
     "text": "text",
+    "sam": "sam",
 }
 
 

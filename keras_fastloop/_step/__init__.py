@@ -8,6 +8,7 @@ explicitly; none reads step settings from the model.
 - `losses`: per-task losses from Keras' `CompileLoss` (`TaskLoss`).
 - `loss_shares`: the denominator rule that keeps micro-batches and replicas exact.
 - `micro_batching`: the in-step accumulation loop.
+- `sam`: sharpness-aware minimization's second gradient (`compile(sam_rho=...)`).
 - `scaling`: loss scaling for float16 (Keras' `LossScaleOptimizer`).
 - `guards`: the non-finite policy (`NonFiniteError`, skip without touching the scale).
 - `update`: apply or skip the update; record the metrics.

@@ -1,0 +1,165 @@
+"""Sharpness-aware minimization, `compile(sam_rho=...)`: the step's second gradient.
+
+SAM (Foret et al., "Sharpness-Aware Minimization for Efficiently Improving Generalization",
+ICLR 2021) updates with the gradient taken at `w + e`, `e = rho * g / ||g||`, `g` the gradient
+at `w`. ASAM (`sam_adaptive=True`; Kwon et al., "ASAM: Adaptive Sharpness-Aware Minimization
+for Scale-Invariant Learning of Deep Neural Networks", ICML 2021) uses
+`e = rho * T^2 g / ||T g||` with `T = |w| + 0.01` elementwise.
+
+`second_gradient` runs between the step's first gradient and its shared stages
+(`TrainingStep.apply`): `g` is summed across replicas and unscaled, so `e` is the same on every
+replica and independent of the loss scale; a non-finite `g` perturbs nothing and turns the
+second gradient non-finite, so the step's guards skip the update (an overflow under a
+`LossScaleOptimizer` halves its scale). The second pass is the step's own gradient computation
+(micro-batched when compiled so), its metric updates and the model's float non-trainable state
+(`BatchNormalization` statistics) reset to what the first pass left; the trainable weights are
+restored from a copy (exactly, not by subtracting `e`). Clipping, the finite check and the
+update then act on the second gradient only. Design: docs/design.md, "Sharpness-aware
+minimization".
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import tensorflow as tf
+from keras import ops
+
+from keras_fastloop import _replicas
+from keras_fastloop._step import gradients, scaling
+from keras_fastloop._step.results import restore_point
+
+ASAM_ETA = 0.01
+_EPSILON = 1e-12
+
+
+def validate(sam_rho, sam_adaptive):
+    """Check `compile(sam_rho=..., sam_adaptive=...)`; returns `(rho or None, adaptive)`.
+
+    Raises:
+        ValueError: `sam_rho` not `None` nor a finite real number > 0 (`bool` refused), or
+            `sam_adaptive` not a bool, or `sam_adaptive=True` without `sam_rho`.
+    """
+    if not isinstance(sam_adaptive, bool):
+        raise ValueError(
+            f"`sam_adaptive` must be True or False. Received: sam_adaptive={sam_adaptive!r}"
+        )
+    if sam_rho is None:
+        if sam_adaptive:
+            raise ValueError(
+                "`sam_adaptive=True` needs the neighbourhood radius `sam_rho` (e.g. 0.5 for "
+                "ASAM). Received: sam_adaptive=True, sam_rho=None"
+            )
+        return None, False
+    if (
+        isinstance(sam_rho, bool)
+        or not isinstance(sam_rho, numbers.Real)
+        or not math.isfinite(sam_rho)
+        or sam_rho <= 0
+    ):
+        raise ValueError(
+            "`sam_rho` must be None or a finite number > 0 (the radius of the weight "
+            f"perturbation, e.g. 0.05). Received: sam_rho={sam_rho!r}"
+        )
+    return float(sam_rho), sam_adaptive
+
+
+def check_compatible(class_name, overrides_train_step, weighting, sam_rho):
+    """`sam_rho` needs the library's `train_step` and a weighting without per-task gradients.
+
+    Raises:
+        ValueError: a class with its own `train_step`, or a gradient-based loss weighting.
+    """
+    if overrides_train_step:
+        raise ValueError(
+            f"`sam_rho` needs the library's `train_step` (two gradients of the same batch), and "
+            f"{class_name} has its own. Call `super().train_step(data)` from it, or take the "
+            f"two passes in it. Received: sam_rho={sam_rho!r}"
+        )
+    if weighting.requires_task_gradients:
+        raise ValueError(
+            f"`sam_rho` cannot be combined with the gradient-based loss weighting "
+            f"'{weighting.name}' (its weights would be decided from two gradients per step). "
+            f"Received: sam_rho={sam_rho!r}, loss_weighting={weighting.name!r}"
+        )
+
+
+def second_gradient(model, step, x, y, sample_weight, grads, variables, optimizer):
+    """The loss-scaled per-replica gradient at `w + e`, for the step's shared stages.
+
+    Args:
+        model: the compiled model.
+        step: its `TrainingStep` (`sam_rho`, `sam_adaptive`).
+        x, y, sample_weight: the (per-replica) batch.
+        grads: the first pass' loss-scaled per-replica gradients of `variables`.
+        variables: the connected trainable variables.
+        optimizer: the model's optimizer (its loss scale).
+
+    Returns:
+        A list of gradients of `variables` (dense), non-finite everywhere when the first
+        gradient summed across replicas is.
+    """
+    scale = scaling.current_scale(optimizer)
+    summed = scaling.unscale(_replicas.all_reduce_sum([_dense(g) for g in grads]), scale)
+    summed = [ops.cast(g, "float32") for g in summed]
+    weights = [ops.cast(v.value, "float32") for v in variables]
+    if step.sam_adaptive:
+        t = [ops.abs(w) + ASAM_ETA for w in weights]
+        norm = _norm([ti * g for ti, g in zip(t, summed)])
+        directions = [ti * ti * g for ti, g in zip(t, summed)]
+    else:
+        norm = _norm(summed)
+        directions = summed
+    finite = ops.isfinite(norm)
+    factor = ops.where(finite, step.sam_rho / (norm + _EPSILON), 0.0)
+    saved = [tf.identity(v.value) for v in variables]
+    perturbed = [
+        ops.cast(ops.where(finite, w + factor * d, w), v.dtype)
+        for w, d, v in zip(weights, directions, variables)
+    ]
+    state = [v for v in model.non_trainable_variables if _is_float(v)]
+    state_saved = [tf.identity(v.value) for v in state]
+    undo_metrics = None
+    if step.micro_batch_size:  # micro-batching updates the metrics inside its loop
+        undo_metrics = restore_point(v for m in model.metrics for v in m.variables)
+    _assign(variables, perturbed)
+    result = gradients.compute(model, step, x, y, sample_weight, variables)
+    _assign(variables, saved)
+    _assign(state, state_saved)
+    if undo_metrics is not None:
+        undo_metrics()
+    poison = ops.where(finite, 0.0, float("nan"))
+    second = []
+    for g, v in zip(result.grads, variables):
+        g = ops.zeros(v.shape, v.dtype) if g is None else _dense(g)
+        second.append(g + ops.cast(poison, g.dtype))
+    return second
+
+
+def _dense(g):
+    return tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
+
+
+def _norm(grads):
+    return ops.sqrt(ops.sum(ops.stack([ops.sum(ops.square(g)) for g in grads])))
+
+
+def _is_float(variable):
+    return tf.as_dtype(variable.dtype).is_floating
+
+
+def _assign(variables, values):
+    """Assign each variable its value (identical on every replica), in any replica context."""
+    if not variables:
+        return
+
+    def update(strategy, values):
+        for variable, value in zip(variables, values):
+            strategy.extended.update(
+                variable.value, lambda var, val: var.assign(val), args=(value,), group=False
+            )
+
+    tf.__internal__.distribute.interim.maybe_merge_call(
+        update, tf.distribute.get_strategy(), list(values)
+    )
