@@ -5,7 +5,8 @@
 micro-batching, the non-finite policy) and state (`StepState`, the step metrics), and it is
 passed explicitly to the traced stages of `keras_fastloop._step`. The library's default
 `train_step` and a user's own `train_step` reach the same stages through the same method,
-`apply_gradients`: one implementation (docs/design.md, "The step object").
+`apply`: one implementation. The step's order is described once, in docs/design.md
+("The training step").
 """
 
 from __future__ import annotations
@@ -22,7 +23,15 @@ from keras import ops
 from keras_fastloop import _compile_settings as compile_settings
 from keras_fastloop import _replicas, mixed_precision
 from keras_fastloop import clipping as clipping_module
-from keras_fastloop._step import gradients, guards, scaling, update
+from keras_fastloop._step import (
+    gradients,
+    guards,
+    loss_shares,
+    prebuild,
+    scaling,
+    update,
+    user_metrics,
+)
 from keras_fastloop._step import micro_batching as micro_batching_module
 from keras_fastloop._step.results import StepMetrics
 from keras_fastloop._step.state import StepState
@@ -201,6 +210,41 @@ class TrainingStep:
         decision, grad_norm = self.apply(grads, variables, optimizer, global_losses)
         update.record_step_metrics(self, optimizer, decision.applied, grad_norm)
         return decision.applied
+
+    # ------------------------------------------------------------- the library's own step
+
+    def train(self, model, data):
+        """The library's `train_step` on one batch: forward, loss, gradient, the shared
+        stages (`apply`), the weighting's update and the metrics; returns the step's logs
+        (internal; traced; the order: docs/design.md, "The training step")."""
+        optimizer = model.optimizer
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        prebuild.build_layers(model, x)
+        variables = model.trainable_variables
+        # forward, loss and the loss-scaled gradient: full batch or micro-batched
+        result = gradients.compute(model, self, x, y, sample_weight, variables)
+        if not optimizer.built:  # every trainable variable, the weighting's created just now
+            optimizer.build(model.trainable_variables)
+        grads, variables = gradients.connected(self, result.grads, variables)
+        if not variables:
+            warnings.warn("The model does not have any trainable weights.", stacklevel=3)
+            update.record_metrics(model, self, result, tf.constant(True))
+            return model.get_metrics_result()
+        global_losses = None
+        if update.needs_global_losses(self, optimizer):
+            global_losses = loss_shares.global_losses(result)
+        decision, grad_norm = self.apply(grads, variables, optimizer, global_losses)
+        update.update_weighting(self, decision, global_losses)
+        update.record_step_metrics(self, optimizer, decision.applied, grad_norm)
+        # a loss-scale overflow is routine: its (finite) loss is recorded, as in keras.Model
+        recorded = ops.logical_or(decision.applied, guards.overflowed(decision))
+        update.record_metrics(model, self, result, recorded)
+        if user_metrics.overrides_compute_metrics(model):
+            logs = user_metrics.compute_metrics(model, x, y, result.y_pred, sample_weight, recorded)
+            if isinstance(logs, dict):
+                logs = {**logs, **{k: v for k, v in self.logs().items() if k not in logs}}
+            return logs
+        return model.get_metrics_result()
 
     # --------------------------------------------------------------------- the one path
 
