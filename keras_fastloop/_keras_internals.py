@@ -433,3 +433,53 @@ __all__ = [
     "serialization_lib",
     "unscale_loss_for_distribution",
 ]
+
+
+# ----------------------------------------------------------------- Keras' trainer state
+# Private attributes of `keras.Model` (Keras' `Trainer`) that the step reads; each one is
+# checked in tests/test_keras_internals.py.
+
+
+def compile_loss(model):
+    """`model._compile_loss`: the compiled loss (`CompileLoss`, ours `TaskLoss`) or None."""
+    return model._compile_loss
+
+
+def set_compile_loss(model, loss):
+    """Installs `loss` as the model's compiled loss (`model._compile_loss`)."""
+    model._compile_loss = loss
+
+
+def compile_metrics(model):
+    """`model._compile_metrics`: the compiled metrics (`CompileMetrics`) or None."""
+    return model._compile_metrics
+
+
+def loss_tracker(model):
+    """`model._loss_tracker`: the `Mean` that logs `loss`."""
+    return model._loss_tracker
+
+
+def call_has_training_arg(model):
+    """Whether the model's `call` takes a `training` argument."""
+    return model._call_has_training_arg
+
+
+def compute_loss_hook(model, **kwargs):
+    """`model._compute_loss(...)`: Keras' dispatch to `compute_loss` (overrides included)."""
+    return model._compute_loss(**kwargs)
+
+
+def distribute_strategy(model):
+    """`model._distribute_strategy`: the strategy the model was created under, or None."""
+    return model._distribute_strategy
+
+
+def flatten_layers(model):
+    """Every layer of `model`, itself included (`model._flatten_layers()`)."""
+    return model._flatten_layers()
+
+
+def user_loss(compile_loss):
+    """`compile_loss._user_loss`: the `loss` argument given to `compile()`."""
+    return compile_loss._user_loss

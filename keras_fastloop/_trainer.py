@@ -220,9 +220,10 @@ class OptimizedTrainer:
     def _adopt_loss(self, settings):
         loss, loss_weights = settings.loss, settings.loss_weights
         if loss is not None:  # as Keras: compile(loss=None) keeps an earlier compiled loss
-            self._compile_loss = losses.TaskLoss(
+            task_loss = losses.TaskLoss(
                 loss, loss_weights, output_names=getattr(self, "output_names", None)
             )
+            internals.set_compile_loss(self, task_loss)
             self.loss = loss
 
     def _compile_step(self, settings):
@@ -345,11 +346,11 @@ class OptimizedTrainer:
             self, self.fastloop_step, x, y, y_pred, sample_weight, training=False
         )
         batch_size = batch.batch_size(x) if record is None else record.batch_size
-        self._loss_tracker.update_state(
+        internals.loss_tracker(self).update_state(
             internals.unscale_loss_for_distribution(logged_loss), sample_weight=batch_size
         )
         if record is not None:
-            self._compile_loss.record(record.values)
+            internals.compile_loss(self).record(record.values)
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def predict_step(self, data):

@@ -21,6 +21,7 @@ import tensorflow as tf
 from keras import ops
 
 from keras_fastloop import _compile_settings as compile_settings
+from keras_fastloop import _keras_internals as internals
 from keras_fastloop import _replicas, mixed_precision
 from keras_fastloop import clipping as clipping_module
 from keras_fastloop._step import (
@@ -369,8 +370,8 @@ class TrainingStep:
         if weighting.task_names is not None:
             return
         names, static_weights = layout or (
-            model._compile_loss.names,
-            model._compile_loss.static_weights,
+            internals.compile_loss(model).names,
+            internals.compile_loss(model).static_weights,
         )
         weighting.build(model, self.state, names, static_weights)
         if self.weighting_given:

@@ -11,6 +11,7 @@ import warnings
 
 import tensorflow as tf
 
+from keras_fastloop import _keras_internals as internals
 from keras_fastloop._step import batch, micro_batching, objective, user_metrics
 from keras_fastloop._step.results import StepResult
 from keras_fastloop._warnings import FastloopWarning
@@ -62,7 +63,7 @@ def full_batch(model, step, x, y, sample_weight, variables):
         task_losses, objective_value = record.values, record.objective
         global_losses = record.global_losses
     del tape
-    compile_metrics = model._compile_metrics
+    compile_metrics = internals.compile_metrics(model)
     if user_metrics.overrides_compute_metrics(model):
         compile_metrics = None  # the step calls the override after the update
 

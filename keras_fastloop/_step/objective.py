@@ -11,6 +11,7 @@ from __future__ import annotations
 import tensorflow as tf
 from keras import ops
 
+from keras_fastloop import _keras_internals as internals
 from keras_fastloop._step import batch, loss_shares
 
 
@@ -63,7 +64,7 @@ def compute_loss(model, step, y, y_pred, sample_weight, training=True):
     """
     terms, record = [], None
     regularization = batch.regularization_terms(model)
-    task_loss = model._compile_loss
+    task_loss = internals.compile_loss(model)
     if task_loss is not None:
         regularization_sum = ops.sum(ops.stack(regularization)) if regularization else None
         record = _task_record(
@@ -100,7 +101,7 @@ def _task_record(model, step, task_terms, regularization_sum, training=True):
         objective, weights = weighting.combine(values)
     logged_task_loss, per_task = objective, weights
     if not step.loss_is_objective:
-        per_task = ops.convert_to_tensor(model._compile_loss.static_weights, "float32")
+        per_task = ops.convert_to_tensor(internals.compile_loss(model).static_weights, "float32")
         logged_task_loss = ops.sum(ops.stack(values) * per_task)
     record = LossRecord(values, objective, weights, logged_task_loss, sync.batch_size)
     if weighting.sub_batches > 1 and training:  # parts only for the update, not evaluate
@@ -186,8 +187,8 @@ def loss_terms(model, step, x, y, y_pred, sample_weight, training):
     """
     step.loss_record = None
     with step.own():
-        total = model._compute_loss(
-            x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training
+        total = internals.compute_loss_hook(
+            model, x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training
         )
     record, step.loss_record = step.loss_record, None
     if record is None:
@@ -197,6 +198,6 @@ def loss_terms(model, step, x, y, y_pred, sample_weight, training):
 
 def forward(model, x, training):
     """`model(x, training=training)`, or `model(x)` when its `call` takes no `training`."""
-    if model._call_has_training_arg:
+    if internals.call_has_training_arg(model):
         return model(x, training=training)
     return model(x)
