@@ -232,7 +232,6 @@ class OptimizedTrainer:
         object.__setattr__(self, "_fastloop_step", step)  # untracked: a plain object
         # The step's variables are saved under this attribute (Keras' saving walks it).
         object.__setattr__(self, "_fastloop_state", step.state)
-        object.__setattr__(self, "_fastloop_evaluating", 0)
         if settings.layout is not None:
             step.build_weighting(settings.layout)
 
@@ -279,7 +278,7 @@ class OptimizedTrainer:
     def reset_metrics(self):
         super().reset_metrics()
         step = self.fastloop_step
-        if step is not None and not self.__dict__.get("_fastloop_evaluating"):
+        if step is not None and not step.evaluating:
             step.reset()
 
     def get_metrics_result(self):
@@ -288,20 +287,22 @@ class OptimizedTrainer:
         non-finite value), never a `Mean`'s 0.0 over no batch."""
         logs = super().get_metrics_result()
         step = self.fastloop_step
-        if step is None or self.__dict__.get("_fastloop_evaluating"):
+        if step is None or step.evaluating:
             return logs
         return step.epoch_logs({**logs, **step.logs()})
 
     @contextlib.contextmanager
     def _evaluation(self):
         """The training-only step metrics are not part of `evaluate`'s metrics and logs."""
-        object.__setattr__(
-            self, "_fastloop_evaluating", self.__dict__.get("_fastloop_evaluating", 0) + 1
-        )
+        step = self.fastloop_step
+        if step is None:
+            yield
+            return
+        step.evaluating += 1
         try:
             yield
         finally:
-            object.__setattr__(self, "_fastloop_evaluating", self._fastloop_evaluating - 1)
+            step.evaluating -= 1
 
     def evaluate(self, *args, **kwargs):
         with self._evaluation():

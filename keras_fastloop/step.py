@@ -114,6 +114,7 @@ class TrainingStep:
         self.own_step = False  # compute_loss called by the library's own steps
         self.loss_record = None  # what the default compute_loss computed, for its caller
         self._reached = 0
+        self.evaluating = 0  # inside evaluate/test_on_batch: the step metrics are left out
 
     @property
     def model(self):
