@@ -59,11 +59,12 @@ class TrainingStep:
     while `compile` was given `gradient_clipping`, `nonfinite` or `log_metrics` gets a
     `FastloopWarning` at its first trace.
 
+    The library's own `train_step` is `train`; the order of its stages is described once, in
+    docs/design.md ("The training step").
+
     Attributes:
-        clipper: the `GradientClipping` in use, or `None`.
-        weighting: the `LossWeighting` in use (`Static` by default).
-        micro_batch_size: `None` or a positive int.
-        nonfinite: `"skip"`, `"raise"` or `"terminate"`.
+        settings: the configuration fixed at `compile()` (`keras_fastloop._compile_settings.StepSettings`); `clipper`,
+            `weighting`, `micro_batch_size` and `nonfinite` read it.
         state: the `StepState` layer holding the step's variables (saved with the model).
         metrics: the optional step metrics (`StepMetrics`).
     """
@@ -75,29 +76,9 @@ class TrainingStep:
         state: StepState,
     ) -> None:
         self._model = weakref.ref(model)
-        self.clipper = settings.clipper
-        self.weighting = settings.weighting
-        self.weighting_given = settings.loss_weighting is not None
-        # `loss` is what keras.Model reports: the tasks weighted by the static `loss_weights`
-        # (for "static" that is the objective itself, weights assigned during fit included).
-        self.loss_is_objective = settings.weighting.name == "static"
-        self.shared_variables = settings.shared_variables
-        self.micro_batch_size = settings.micro_batch_size
-        self.nonfinite = settings.nonfinite
+        self.settings = compile_settings.StepSettings.from_compile(settings)
         self.state = state
         self.metrics = StepMetrics(compile_settings.log_metric_names(settings, model.optimizer))
-        self.tasks_known_at_compile = settings.layout is not None
-        # The options that act only through the stages, as given (for the custom-step warning).
-        self.stage_options = {
-            name: value
-            for name, value in (
-                ("gradient_clipping", settings.clipper),
-                ("nonfinite", None if settings.nonfinite == "skip" else settings.nonfinite),
-                ("log_metrics", settings.log_metrics),
-            )
-            if value is not None
-        }
-        # Runtime flags and the loss record (never saved).
         self.largest_batch = (
             micro_batching_module.largest_batch_variable() if settings.micro_batch_size else None
         )
@@ -107,14 +88,39 @@ class TrainingStep:
             keras.Variable(0, dtype="int64", trainable=False, aggregation="only_first_replica")
             for _ in range(2)
         )
-        self.warned_small_batch = False
-        self.warned_unconnected = False
-        self.warned_unreached = False
-        self.warned_unscaled = set()
+        self.warned = set()  # the once-only warnings given ("small_batch", "unconnected", ...)
         self.own_step = False  # compute_loss called by the library's own steps
         self.loss_record = None  # what the default compute_loss computed, for its caller
         self._reached = 0
         self.evaluating = 0  # inside evaluate/test_on_batch: the step metrics are left out
+
+    @property
+    def clipper(self):
+        return self.settings.clipper
+
+    @property
+    def weighting(self):
+        return self.settings.weighting
+
+    @property
+    def micro_batch_size(self):
+        return self.settings.micro_batch_size
+
+    @property
+    def nonfinite(self):
+        return self.settings.nonfinite
+
+    @property
+    def weighting_given(self):
+        return self.settings.weighting_given
+
+    @property
+    def tasks_known_at_compile(self):
+        return self.settings.tasks_known_at_compile
+
+    @property
+    def warned_small_batch(self):
+        return "small_batch" in self.warned
 
     @property
     def model(self):
@@ -282,9 +288,9 @@ class TrainingStep:
             or scaling.current_scale(optimizer) is not None
         ):
             return
-        if id(optimizer) in self.warned_unscaled:
+        if ("unscaled", id(optimizer)) in self.warned:
             return
-        self.warned_unscaled.add(id(optimizer))
+        self.warned.add(("unscaled", id(optimizer)))
         warnings.warn(
             f"The optimizer '{optimizer.name}' has no loss scaling under the mixed_float16 "
             "policy: float16 gradients may underflow. Wrap it as Keras' compile does: "
@@ -306,13 +312,13 @@ class TrainingStep:
                 extra = {k: v for k, v in self.logs().items() if k not in logs}
                 logs = {**logs, **extra}
             return logs
-        if not self.warned_unreached and self.stage_options:
+        if "unreached" not in self.warned and self.settings.stage_options:
             self._warn_unreached(f"{type(model).__name__}.train_step")
         return logs
 
     def _warn_unreached(self, step_name):
-        self.warned_unreached = True
-        given = ", ".join(f"{k}={v!r}" for k, v in self.stage_options.items())
+        self.warned.add("unreached")
+        given = ", ".join(f"{k}={v!r}" for k, v in self.settings.stage_options.items())
         warnings.warn(
             f"{step_name} never calls the step's stages, so compile({given}) does nothing "
             "for it. Replace `grads = tape.gradient(loss, variables)` and "
@@ -375,8 +381,8 @@ class TrainingStep:
             internals.compile_loss(model).static_weights,
         )
         weighting.build(model, self.state, names, static_weights)
-        if self.weighting_given:
-            self.metrics.add_weighting(names, objective=not self.loss_is_objective)
+        if self.settings.weighting_given:
+            self.metrics.add_weighting(names, objective=not self.settings.loss_is_objective)
 
     @contextlib.contextmanager
     def own(self):

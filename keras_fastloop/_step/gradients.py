@@ -88,11 +88,11 @@ def connected(step, grads, variables):
     """`(grads, variables)` of the variables that get a gradient.
 
     Keras leaves the others untouched; a `FastloopWarning` names them, once per
-    `TrainingStep` (`step.warned_unconnected`).
+    `TrainingStep` (`step.warned`).
     """
     missing = [v.path for g, v in zip(grads, variables) if g is None]
-    if missing and not step.warned_unconnected:
-        step.warned_unconnected = True
+    if missing and "unconnected" not in step.warned:
+        step.warned.add("unconnected")
         warnings.warn(
             f"{len(missing)} trainable variable(s) get no gradient from the loss and are "
             f"left out of the update (as in keras.Model): {missing}",

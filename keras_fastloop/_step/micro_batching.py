@@ -61,9 +61,9 @@ def validate_micro_batch_size(micro_batch_size):
 
 def warn_small_batch(step, samples):
     """Warn once per `TrainingStep` that a batch held fewer samples than `micro_batch_size`."""
-    if step.warned_small_batch:
+    if "small_batch" in step.warned:
         return
-    step.warned_small_batch = True
+    step.warned.add("small_batch")
     warnings.warn(
         f"The (per-replica) batch has fewer samples ({samples}) than `micro_batch_size` "
         f"({step.micro_batch_size}): each batch runs as one micro-batch, so no memory is "
@@ -393,7 +393,7 @@ def accumulate(model, step, x, y, sample_weight, variables, micro_batch_size):
             acc = acc + ops.cast(g, acc.dtype)
         grads.append(acc if connected[i] else None)
     logged_task_loss = combined
-    if not step.loss_is_objective:  # `loss` stays what keras.Model would report
+    if not step.settings.loss_is_objective:  # `loss` stays what keras.Model would report
         static = ops.convert_to_tensor(task_loss.static_weights, "float32")
         logged_task_loss = ops.sum(loss_acc * static)
     return StepResult(

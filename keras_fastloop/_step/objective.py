@@ -100,7 +100,7 @@ def _task_record(model, step, task_terms, regularization_sum, training=True):
     else:
         objective, weights = weighting.combine(values)
     logged_task_loss, per_task = objective, weights
-    if not step.loss_is_objective:
+    if not step.settings.loss_is_objective:
         per_task = ops.convert_to_tensor(internals.compile_loss(model).static_weights, "float32")
         logged_task_loss = ops.sum(ops.stack(values) * per_task)
     record = LossRecord(values, objective, weights, logged_task_loss, sync.batch_size)
