@@ -421,6 +421,8 @@ class StepSettings:
         micro_batch_size: `None` or a positive int.
         nonfinite: `"skip"`, `"raise"` or `"terminate"`.
         tasks_known_at_compile: whether the task layout was known at `compile()`.
+        overrides_compute_loss: whether the model's class overrides `compute_loss` (the
+            library's steps then call it as Keras does).
         stage_options: the options that act only through the stages, as given (named in the
             warning for a custom step that never reaches them).
     """
@@ -434,10 +436,11 @@ class StepSettings:
     nonfinite: str
     tasks_known_at_compile: bool
     stage_options: dict
+    overrides_compute_loss: bool
 
     @classmethod
-    def from_compile(cls, settings):
-        """From validated `CompileSettings`."""
+    def from_compile(cls, settings, overrides_compute_loss=False):
+        """From validated `CompileSettings` and whether the class overrides `compute_loss`."""
         return cls(
             clipper=settings.clipper,
             weighting=settings.weighting,
@@ -447,6 +450,7 @@ class StepSettings:
             micro_batch_size=settings.micro_batch_size,
             nonfinite=settings.nonfinite,
             tasks_known_at_compile=settings.layout is not None,
+            overrides_compute_loss=overrides_compute_loss,
             stage_options={
                 name: value
                 for name, value in (

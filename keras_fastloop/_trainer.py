@@ -228,7 +228,9 @@ class OptimizedTrainer:
 
     def _compile_step(self, settings):
         """The model's one `TrainingStep`, from validated settings."""
-        step = step_module.build(self, settings)
+        step = step_module.build(
+            self, settings, overrides_compute_loss=self._overrides_compute_loss()
+        )
         object.__setattr__(self, "_fastloop_step", step)  # untracked: a plain object
         # The step's variables are saved under this attribute (Keras' saving walks it).
         object.__setattr__(self, "_fastloop_state", step.state)

@@ -11,7 +11,6 @@ passed explicitly to the traced stages of `keras_fastloop._step`. The library's 
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 import weakref
 
@@ -74,9 +73,10 @@ class TrainingStep:
         model: keras.Model,
         settings: compile_settings.CompileSettings,
         state: StepState,
+        overrides_compute_loss: bool = False,
     ) -> None:
         self._model = weakref.ref(model)
-        self.settings = compile_settings.StepSettings.from_compile(settings)
+        self.settings = compile_settings.StepSettings.from_compile(settings, overrides_compute_loss)
         self.state = state
         self.metrics = StepMetrics(compile_settings.log_metric_names(settings, model.optimizer))
         self.largest_batch = (
@@ -89,8 +89,6 @@ class TrainingStep:
             for _ in range(2)
         )
         self.warned = set()  # the once-only warnings given ("small_batch", "unconnected", ...)
-        self.own_step = False  # compute_loss called by the library's own steps
-        self.loss_record = None  # what the default compute_loss computed, for its caller
         self._reached = 0
         self.evaluating = 0  # inside evaluate/test_on_batch: the step metrics are left out
 
@@ -384,17 +382,6 @@ class TrainingStep:
         if self.settings.weighting_given:
             self.metrics.add_weighting(names, objective=not self.settings.loss_is_objective)
 
-    @contextlib.contextmanager
-    def own(self):
-        """Marks `compute_loss` calls made by the library's steps, which record the task
-        losses themselves (after the non-finite guards, or per micro-batch)."""
-        before = self.own_step
-        self.own_step = True
-        try:
-            yield
-        finally:
-            self.own_step = before
-
 
 def _check_arguments(method, variables, optimizer):
     """The variables as a list, once `variables` and `optimizer` are what `method` needs."""
@@ -429,7 +416,7 @@ def _nan_if(none, value):
     return ops.where(none, ops.cast(float("nan"), value.dtype), value)
 
 
-def build(model, settings) -> TrainingStep:
+def build(model, settings, overrides_compute_loss=False) -> TrainingStep:
     """The model's `TrainingStep` from validated `CompileSettings` (in `compile()`).
 
     All step state is created here (or, for models whose outputs are unknown until their
@@ -439,7 +426,7 @@ def build(model, settings) -> TrainingStep:
     if settings.clipper is not None:
         settings.clipper.build(state)
     guards.build(state, settings.nonfinite)
-    step = TrainingStep(model, settings, state)
+    step = TrainingStep(model, settings, state, overrides_compute_loss)
     if settings.loss is not None and model.dtype_policy.name in (
         "mixed_float16",
         "mixed_bfloat16",

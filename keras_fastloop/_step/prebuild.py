@@ -74,8 +74,7 @@ def build_before_first_trace(model, iterator=None, data_batch=None):
         if data_batch is None:
             return
     try:
-        with model.fastloop_step.own():  # symbolic: no tracker update
-            internals.build_compiled_metrics_and_loss(model, data_batch)
+        internals.build_compiled_metrics_and_loss(model, data_batch)  # symbolic
     except Exception:  # noqa: BLE001 - the trace builds what is left, as in keras.Model
         return
 
