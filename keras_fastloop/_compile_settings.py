@@ -418,3 +418,66 @@ def _check_log_metrics(log_metrics):
             f"`log_metrics` must be None or a list of distinct names from {LOG_METRICS}. "
             f"Received: log_metrics={log_metrics!r}"
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSettings:
+    """The step's configuration, fixed at `compile()` (from `CompileSettings`).
+
+    Attributes:
+        clipper: the `GradientClipping` in use, or `None`.
+        weighting: the `LossWeighting` in use (`Static` by default).
+        weighting_given: whether `compile` was given `loss_weighting`.
+        loss_is_objective: whether the logged `loss` is the weighting's objective (the
+            static weighting; otherwise the tasks weighted by the static `loss_weights`, as
+            `keras.Model` reports it).
+        shared_variables: the variables given as shared, or `None`.
+        micro_batch_size: `None` or a positive int.
+        nonfinite: `"skip"`, `"raise"` or `"terminate"`.
+        tasks_known_at_compile: whether the task layout was known at `compile()`.
+        overrides_compute_loss: whether the model's class overrides `compute_loss` (the
+            library's steps then call it as Keras does).
+        stage_options: the options that act only through the stages, as given (named in the
+            warning for a custom step that never reaches them).
+        sam_rho: `None` or the SAM radius (a float > 0).
+        sam_adaptive: whether SAM is adaptive (ASAM).
+    """
+
+    clipper: Any
+    weighting: Any
+    weighting_given: bool
+    loss_is_objective: bool
+    shared_variables: Any
+    micro_batch_size: int | None
+    nonfinite: str
+    tasks_known_at_compile: bool
+    stage_options: dict
+    overrides_compute_loss: bool
+    sam_rho: float | None = None
+    sam_adaptive: bool = False
+
+    @classmethod
+    def from_compile(cls, settings, overrides_compute_loss=False):
+        """From validated `CompileSettings` and whether the class overrides `compute_loss`."""
+        return cls(
+            clipper=settings.clipper,
+            weighting=settings.weighting,
+            weighting_given=settings.loss_weighting is not None,
+            loss_is_objective=settings.weighting.name == "static",
+            shared_variables=settings.shared_variables,
+            micro_batch_size=settings.micro_batch_size,
+            nonfinite=settings.nonfinite,
+            tasks_known_at_compile=settings.layout is not None,
+            overrides_compute_loss=overrides_compute_loss,
+            sam_rho=settings.sam_rho,
+            sam_adaptive=settings.sam_adaptive,
+            stage_options={
+                name: value
+                for name, value in (
+                    ("gradient_clipping", settings.clipper),
+                    ("nonfinite", None if settings.nonfinite == "skip" else settings.nonfinite),
+                    ("log_metrics", settings.log_metrics),
+                )
+                if value is not None
+            },
+        )

@@ -404,56 +404,7 @@ def _describe(f):
 install_remat_hook()
 
 
-# ------------------------------------------------------ TensorFlow's multi-worker start-up
-# `keras_fastloop.cluster.multi_worker_strategy` bounds how long a worker waits for its peers.
-# TensorFlow exposes neither knob publicly: the coordination service's register timeout is set
-# on the eager context before it starts, and the strategy's first health check (worker 0 waits
-# there for its peers) reads a class attribute whose default, 0, means forever.
-
-
-def eager_context_started():
-    """Whether TensorFlow's eager context exists (too late to configure coordination)."""
-    from tensorflow.python.eager import context
-
-    return context.context()._context_handle is not None
-
-
-def configure_worker_coordination(num_workers, register_timeout_ms):
-    """Coordination service led by worker 0 that fails when a worker has not registered."""
-    from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
-    from tensorflow.python.eager import context
-
-    ctx = context.context()
-    ctx.configure_coordination_service(
-        service_type="standalone",
-        service_leader="/job:worker/replica:0/task:0",
-        cluster_register_timeout_in_ms=int(register_timeout_ms),
-        coordinated_jobs=[
-            coordination_config_pb2.CoordinatedJob(name="worker", num_tasks=int(num_workers))
-        ],
-    )
-    # every worker, the leader too, registers through a barrier bounded by the timeout
-    ctx._coordination_service_config.cluster_register_with_barrier = True
-
-
-@contextlib.contextmanager
-def first_health_check_timeout(seconds):
-    """`MultiWorkerMirroredStrategy`s created inside give up on absent peers after `seconds`."""
-    from tensorflow.python.distribute import collective_all_reduce_strategy
-
-    extended = collective_all_reduce_strategy.CollectiveAllReduceExtended
-    previous = extended._check_health_initial_timeout
-    extended._check_health_initial_timeout = max(1, int(seconds))
-    try:
-        yield
-    finally:
-        extended._check_health_initial_timeout = previous
-
-
 __all__ = [
-    "configure_worker_coordination",
-    "eager_context_started",
-    "first_health_check_timeout",
     "exact_remat",
     "with_exact_remat",
     "remat_modes",
@@ -480,3 +431,53 @@ __all__ = [
     "serialization_lib",
     "unscale_loss_for_distribution",
 ]
+
+
+# ----------------------------------------------------------------- Keras' trainer state
+# Private attributes of `keras.Model` (Keras' `Trainer`) that the step reads; each one is
+# checked in tests/test_keras_internals.py.
+
+
+def compile_loss(model):
+    """`model._compile_loss`: the compiled loss (`CompileLoss`, ours `TaskLoss`) or None."""
+    return model._compile_loss
+
+
+def set_compile_loss(model, loss):
+    """Installs `loss` as the model's compiled loss (`model._compile_loss`)."""
+    model._compile_loss = loss
+
+
+def compile_metrics(model):
+    """`model._compile_metrics`: the compiled metrics (`CompileMetrics`) or None."""
+    return model._compile_metrics
+
+
+def loss_tracker(model):
+    """`model._loss_tracker`: the `Mean` that logs `loss`."""
+    return model._loss_tracker
+
+
+def call_has_training_arg(model):
+    """Whether the model's `call` takes a `training` argument."""
+    return model._call_has_training_arg
+
+
+def compute_loss_hook(model, **kwargs):
+    """`model._compute_loss(...)`: Keras' dispatch to `compute_loss` (overrides included)."""
+    return model._compute_loss(**kwargs)
+
+
+def distribute_strategy(model):
+    """`model._distribute_strategy`: the strategy the model was created under, or None."""
+    return model._distribute_strategy
+
+
+def flatten_layers(model):
+    """Every layer of `model`, itself included (`model._flatten_layers()`)."""
+    return model._flatten_layers()
+
+
+def user_loss(compile_loss):
+    """`compile_loss._user_loss`: the `loss` argument given to `compile()`."""
+    return compile_loss._user_loss

@@ -1,28 +1,18 @@
-"""The trainer mixin shared by `OptimizedModel` and
-`OptimizedSequential`.
+"""The trainer mixin shared by `OptimizedModel` and `OptimizedSequential`.
 
-`compile()` turns its arguments into step components; `train_step`/`test_step` only
-orchestrate them (each stage lives in its own module). The step, in order:
-
-unpack `(x, y, sample_weight)` -> forward in the tape -> `compute_loss` (Keras' hook: per-task
-losses from `TaskLoss`, combined by the loss weighting) ->
-`optimizer.scale_loss` -> gradients (plain or micro-batched, a `StepResult` either way)
--> variables without a gradient leave the update (as in Keras) -> sum across replicas -> unscale
--> finite check -> clip -> `optimizer.apply` (skipped as a whole when not finite) -> metrics
-(recorded only for applied steps).
+`compile()` turns its arguments into a `TrainingStep`; `train_step` calls its one method
+`TrainingStep.train`. The step's order is described once, in docs/design.md ("The training
+step").
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import keras
-import tensorflow as tf
-from keras import ops
 
 from keras_fastloop import _compile_config as compile_config
 from keras_fastloop import _compile_settings as compile_settings
@@ -35,16 +25,9 @@ from keras_fastloop import tuning
 from keras_fastloop import weighting as weighting_module
 from keras_fastloop._step import (
     batch,
-    gradients,
-    guards,
-    loss_shares,
     losses,
     multi_worker,
     objective,
-    prebuild,
-    sam,
-    update,
-    user_metrics,
 )
 
 
@@ -247,18 +230,20 @@ class OptimizedTrainer:
     def _adopt_loss(self, settings):
         loss, loss_weights = settings.loss, settings.loss_weights
         if loss is not None:  # as Keras: compile(loss=None) keeps an earlier compiled loss
-            self._compile_loss = losses.TaskLoss(
+            task_loss = losses.TaskLoss(
                 loss, loss_weights, output_names=getattr(self, "output_names", None)
             )
+            internals.set_compile_loss(self, task_loss)
             self.loss = loss
 
     def _compile_step(self, settings):
         """The model's one `TrainingStep`, from validated settings."""
-        step = step_module.build(self, settings)
+        step = step_module.build(
+            self, settings, overrides_compute_loss=self._overrides_compute_loss()
+        )
         object.__setattr__(self, "_fastloop_step", step)  # untracked: a plain object
         # The step's variables are saved under this attribute (Keras' saving walks it).
         object.__setattr__(self, "_fastloop_state", step.state)
-        object.__setattr__(self, "_fastloop_evaluating", 0)
         if settings.layout is not None:
             step.build_weighting(settings.layout)
 
@@ -305,7 +290,7 @@ class OptimizedTrainer:
     def reset_metrics(self):
         super().reset_metrics()
         step = self.fastloop_step
-        if step is not None and not self.__dict__.get("_fastloop_evaluating"):
+        if step is not None and not step.evaluating:
             step.reset()
 
     def get_metrics_result(self):
@@ -314,20 +299,22 @@ class OptimizedTrainer:
         non-finite value), never a `Mean`'s 0.0 over no batch."""
         logs = super().get_metrics_result()
         step = self.fastloop_step
-        if step is None or self.__dict__.get("_fastloop_evaluating"):
+        if step is None or step.evaluating:
             return logs
         return step.epoch_logs({**logs, **step.logs()})
 
     @contextlib.contextmanager
     def _evaluation(self):
         """The training-only step metrics are not part of `evaluate`'s metrics and logs."""
-        object.__setattr__(
-            self, "_fastloop_evaluating", self.__dict__.get("_fastloop_evaluating", 0) + 1
-        )
+        step = self.fastloop_step
+        if step is None:
+            yield
+            return
+        step.evaluating += 1
         try:
             yield
         finally:
-            object.__setattr__(self, "_fastloop_evaluating", self._fastloop_evaluating - 1)
+            step.evaluating -= 1
 
     def evaluate(self, *args, **kwargs):
         with self._evaluation():
@@ -362,40 +349,8 @@ class OptimizedTrainer:
     # ------------------------------------------------------------------------------ the steps
 
     def train_step(self, data):
-        """One optimizer step, each stage one call (docs/design.md, "The training step")."""
-        step, optimizer = self.fastloop_step, self.optimizer
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        prebuild.build_layers(self, x)
-        variables = self.trainable_variables
-        # forward, loss and the loss-scaled gradient: full batch or micro-batched
-        result = gradients.compute(self, step, x, y, sample_weight, variables)
-        if not optimizer.built:  # every trainable variable, the weighting's created just now
-            optimizer.build(self.trainable_variables)
-        grads, variables = gradients.connected(step, result.grads, variables)
-        if step.sam_rho is not None and variables:  # compile(sam_rho=...): the gradient at w + e
-            grads = sam.second_gradient(
-                self, step, x, y, sample_weight, grads, variables, optimizer
-            )
-        if not variables:
-            warnings.warn("The model does not have any trainable weights.", stacklevel=2)
-            update.record_metrics(self, step, result, tf.constant(True))
-            return self.get_metrics_result()
-        global_losses = None
-        if update.needs_global_losses(step, optimizer):
-            global_losses = loss_shares.global_losses(result)
-        # the stages any train_step reaches (TrainingStep.minimize / apply_gradients)
-        decision, grad_norm = step.apply(grads, variables, optimizer, global_losses)
-        update.update_weighting(step, decision, global_losses)
-        update.record_step_metrics(step, optimizer, decision.applied, grad_norm)
-        # a loss-scale overflow is routine: its (finite) loss is recorded, as in keras.Model
-        recorded = ops.logical_or(decision.applied, guards.overflowed(decision))
-        update.record_metrics(self, step, result, recorded)
-        if user_metrics.overrides_compute_metrics(self):
-            logs = user_metrics.compute_metrics(self, x, y, result.y_pred, sample_weight, recorded)
-            if isinstance(logs, dict):
-                logs = {**logs, **{k: v for k, v in step.logs().items() if k not in logs}}
-            return logs
-        return self.get_metrics_result()
+        """One optimizer step: `TrainingStep.train` (docs/design.md, "The training step")."""
+        return self.fastloop_step.train(self, data)
 
     def test_step(self, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
@@ -404,11 +359,11 @@ class OptimizedTrainer:
             self, self.fastloop_step, x, y, y_pred, sample_weight, training=False
         )
         batch_size = batch.batch_size(x) if record is None else record.batch_size
-        self._loss_tracker.update_state(
+        internals.loss_tracker(self).update_state(
             internals.unscale_loss_for_distribution(logged_loss), sample_weight=batch_size
         )
         if record is not None:
-            self._compile_loss.record(record.values)
+            internals.compile_loss(self).record(record.values)
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def predict_step(self, data):

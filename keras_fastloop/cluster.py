@@ -334,7 +334,7 @@ def multi_worker_strategy(connect_timeout: float = 60.0, communication_options=N
     """
     import tensorflow as tf
 
-    from keras_fastloop import _keras_internals as internals
+    from keras_fastloop import _tf_internals as internals
 
     if isinstance(connect_timeout, bool) or not connect_timeout > 0:
         raise ValueError(

@@ -5,12 +5,12 @@
 micro-batching, the non-finite policy) and state (`StepState`, the step metrics), and it is
 passed explicitly to the traced stages of `keras_fastloop._step`. The library's default
 `train_step` and a user's own `train_step` reach the same stages through the same method,
-`apply_gradients`: one implementation (docs/design.md, "The step object").
+`apply`: one implementation. The step's order is described once, in docs/design.md
+("The training step").
 """
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 import weakref
 
@@ -20,9 +20,19 @@ import tensorflow as tf
 from keras import ops
 
 from keras_fastloop import _compile_settings as compile_settings
+from keras_fastloop import _keras_internals as internals
 from keras_fastloop import _replicas, mixed_precision
 from keras_fastloop import clipping as clipping_module
-from keras_fastloop._step import gradients, guards, scaling, update
+from keras_fastloop._step import (
+    gradients,
+    guards,
+    loss_shares,
+    prebuild,
+    sam,
+    scaling,
+    update,
+    user_metrics,
+)
 from keras_fastloop._step import micro_batching as micro_batching_module
 from keras_fastloop._step.results import StepMetrics
 from keras_fastloop._step.state import StepState
@@ -49,11 +59,12 @@ class TrainingStep:
     while `compile` was given `gradient_clipping`, `nonfinite` or `log_metrics` gets a
     `FastloopWarning` at its first trace.
 
+    The library's own `train_step` is `train`; the order of its stages is described once, in
+    docs/design.md ("The training step").
+
     Attributes:
-        clipper: the `GradientClipping` in use, or `None`.
-        weighting: the `LossWeighting` in use (`Static` by default).
-        micro_batch_size: `None` or a positive int.
-        nonfinite: `"skip"`, `"raise"` or `"terminate"`.
+        settings: the configuration fixed at `compile()` (`keras_fastloop._compile_settings.StepSettings`); `clipper`,
+            `weighting`, `micro_batch_size` and `nonfinite` read it.
         state: the `StepState` layer holding the step's variables (saved with the model).
         metrics: the optional step metrics (`StepMetrics`).
     """
@@ -63,32 +74,12 @@ class TrainingStep:
         model: keras.Model,
         settings: compile_settings.CompileSettings,
         state: StepState,
+        overrides_compute_loss: bool = False,
     ) -> None:
         self._model = weakref.ref(model)
-        self.clipper = settings.clipper
-        self.weighting = settings.weighting
-        self.weighting_given = settings.loss_weighting is not None
-        # `loss` is what keras.Model reports: the tasks weighted by the static `loss_weights`
-        # (for "static" that is the objective itself, weights assigned during fit included).
-        self.loss_is_objective = settings.weighting.name == "static"
-        self.shared_variables = settings.shared_variables
-        self.micro_batch_size = settings.micro_batch_size
-        self.nonfinite = settings.nonfinite
-        self.sam_rho, self.sam_adaptive = settings.sam_rho, settings.sam_adaptive
+        self.settings = compile_settings.StepSettings.from_compile(settings, overrides_compute_loss)
         self.state = state
         self.metrics = StepMetrics(compile_settings.log_metric_names(settings, model.optimizer))
-        self.tasks_known_at_compile = settings.layout is not None
-        # The options that act only through the stages, as given (for the custom-step warning).
-        self.stage_options = {
-            name: value
-            for name, value in (
-                ("gradient_clipping", settings.clipper),
-                ("nonfinite", None if settings.nonfinite == "skip" else settings.nonfinite),
-                ("log_metrics", settings.log_metrics),
-            )
-            if value is not None
-        }
-        # Runtime flags and the loss record (never saved).
         self.largest_batch = (
             micro_batching_module.largest_batch_variable() if settings.micro_batch_size else None
         )
@@ -98,13 +89,37 @@ class TrainingStep:
             keras.Variable(0, dtype="int64", trainable=False, aggregation="only_first_replica")
             for _ in range(2)
         )
-        self.warned_small_batch = False
-        self.warned_unconnected = False
-        self.warned_unreached = False
-        self.warned_unscaled = set()
-        self.own_step = False  # compute_loss called by the library's own steps
-        self.loss_record = None  # what the default compute_loss computed, for its caller
+        self.warned = set()  # the once-only warnings given ("small_batch", "unconnected", ...)
         self._reached = 0
+        self.evaluating = 0  # inside evaluate/test_on_batch: the step metrics are left out
+
+    @property
+    def clipper(self):
+        return self.settings.clipper
+
+    @property
+    def weighting(self):
+        return self.settings.weighting
+
+    @property
+    def micro_batch_size(self):
+        return self.settings.micro_batch_size
+
+    @property
+    def nonfinite(self):
+        return self.settings.nonfinite
+
+    @property
+    def weighting_given(self):
+        return self.settings.weighting_given
+
+    @property
+    def tasks_known_at_compile(self):
+        return self.settings.tasks_known_at_compile
+
+    @property
+    def warned_small_batch(self):
+        return "small_batch" in self.warned
 
     @property
     def model(self):
@@ -203,6 +218,45 @@ class TrainingStep:
         update.record_step_metrics(self, optimizer, decision.applied, grad_norm)
         return decision.applied
 
+    # ------------------------------------------------------------- the library's own step
+
+    def train(self, model, data):
+        """The library's `train_step` on one batch: forward, loss, gradient, the shared
+        stages (`apply`), the weighting's update and the metrics; returns the step's logs
+        (internal; traced; the order: docs/design.md, "The training step")."""
+        optimizer = model.optimizer
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        prebuild.build_layers(model, x)
+        variables = model.trainable_variables
+        # forward, loss and the loss-scaled gradient: full batch or micro-batched
+        result = gradients.compute(model, self, x, y, sample_weight, variables)
+        if not optimizer.built:  # every trainable variable, the weighting's created just now
+            optimizer.build(model.trainable_variables)
+        grads, variables = gradients.connected(self, result.grads, variables)
+        if self.settings.sam_rho is not None and variables:  # SAM: the gradient at w + e
+            grads = sam.second_gradient(
+                model, self, x, y, sample_weight, grads, variables, optimizer
+            )
+        if not variables:
+            warnings.warn("The model does not have any trainable weights.", stacklevel=3)
+            update.record_metrics(model, self, result, tf.constant(True))
+            return model.get_metrics_result()
+        global_losses = None
+        if update.needs_global_losses(self, optimizer):
+            global_losses = loss_shares.global_losses(result)
+        decision, grad_norm = self.apply(grads, variables, optimizer, global_losses)
+        update.update_weighting(self, decision, global_losses)
+        update.record_step_metrics(self, optimizer, decision.applied, grad_norm)
+        # a loss-scale overflow is routine: its (finite) loss is recorded, as in keras.Model
+        recorded = ops.logical_or(decision.applied, guards.overflowed(decision))
+        update.record_metrics(model, self, result, recorded)
+        if user_metrics.overrides_compute_metrics(model):
+            logs = user_metrics.compute_metrics(model, x, y, result.y_pred, sample_weight, recorded)
+            if isinstance(logs, dict):
+                logs = {**logs, **{k: v for k, v in self.logs().items() if k not in logs}}
+            return logs
+        return model.get_metrics_result()
+
     # --------------------------------------------------------------------- the one path
 
     def apply(self, grads, variables, optimizer, global_losses):
@@ -237,9 +291,9 @@ class TrainingStep:
             or scaling.current_scale(optimizer) is not None
         ):
             return
-        if id(optimizer) in self.warned_unscaled:
+        if ("unscaled", id(optimizer)) in self.warned:
             return
-        self.warned_unscaled.add(id(optimizer))
+        self.warned.add(("unscaled", id(optimizer)))
         warnings.warn(
             f"The optimizer '{optimizer.name}' has no loss scaling under the mixed_float16 "
             "policy: float16 gradients may underflow. Wrap it as Keras' compile does: "
@@ -261,13 +315,13 @@ class TrainingStep:
                 extra = {k: v for k, v in self.logs().items() if k not in logs}
                 logs = {**logs, **extra}
             return logs
-        if not self.warned_unreached and self.stage_options:
+        if "unreached" not in self.warned and self.settings.stage_options:
             self._warn_unreached(f"{type(model).__name__}.train_step")
         return logs
 
     def _warn_unreached(self, step_name):
-        self.warned_unreached = True
-        given = ", ".join(f"{k}={v!r}" for k, v in self.stage_options.items())
+        self.warned.add("unreached")
+        given = ", ".join(f"{k}={v!r}" for k, v in self.settings.stage_options.items())
         warnings.warn(
             f"{step_name} never calls the step's stages, so compile({given}) does nothing "
             "for it. Replace `grads = tape.gradient(loss, variables)` and "
@@ -326,23 +380,12 @@ class TrainingStep:
         if weighting.task_names is not None:
             return
         names, static_weights = layout or (
-            model._compile_loss.names,
-            model._compile_loss.static_weights,
+            internals.compile_loss(model).names,
+            internals.compile_loss(model).static_weights,
         )
         weighting.build(model, self.state, names, static_weights)
-        if self.weighting_given:
-            self.metrics.add_weighting(names, objective=not self.loss_is_objective)
-
-    @contextlib.contextmanager
-    def own(self):
-        """Marks `compute_loss` calls made by the library's steps, which record the task
-        losses themselves (after the non-finite guards, or per micro-batch)."""
-        before = self.own_step
-        self.own_step = True
-        try:
-            yield
-        finally:
-            self.own_step = before
+        if self.settings.weighting_given:
+            self.metrics.add_weighting(names, objective=not self.settings.loss_is_objective)
 
 
 def _check_arguments(method, variables, optimizer):
@@ -378,7 +421,7 @@ def _nan_if(none, value):
     return ops.where(none, ops.cast(float("nan"), value.dtype), value)
 
 
-def build(model, settings) -> TrainingStep:
+def build(model, settings, overrides_compute_loss=False) -> TrainingStep:
     """The model's `TrainingStep` from validated `CompileSettings` (in `compile()`).
 
     All step state is created here (or, for models whose outputs are unknown until their
@@ -388,7 +431,7 @@ def build(model, settings) -> TrainingStep:
     if settings.clipper is not None:
         settings.clipper.build(state)
     guards.build(state, settings.nonfinite)
-    step = TrainingStep(model, settings, state)
+    step = TrainingStep(model, settings, state, overrides_compute_loss)
     if settings.loss is not None and model.dtype_policy.name in (
         "mixed_float16",
         "mixed_bfloat16",

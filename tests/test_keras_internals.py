@@ -333,7 +333,7 @@ def test_multi_worker_start_up_knobs_of_tensorflow():
     from tensorflow.python.distribute import collective_all_reduce_strategy
     from tensorflow.python.eager import context
 
-    from keras_fastloop import _keras_internals as internals
+    from keras_fastloop import _tf_internals as internals
 
     fields = coordination_config_pb2.CoordinationServiceConfig.DESCRIPTOR.fields_by_name
     assert {"cluster_register_timeout_in_ms", "cluster_register_with_barrier"} <= set(fields)

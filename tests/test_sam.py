@@ -260,7 +260,9 @@ def test_sam_survives_save_and_load(tmp_path):
     loaded = keras.saving.load_model(path)
     config = loaded.get_compile_config()
     assert config["sam_rho"] == RHO and config["sam_adaptive"] is True
-    assert loaded.fastloop_step.sam_rho == RHO and loaded.fastloop_step.sam_adaptive
+    assert (
+        loaded.fastloop_step.settings.sam_rho == RHO and loaded.fastloop_step.settings.sam_adaptive
+    )
 
 
 def test_sam_through_optimized_equals_hand_written_loop():

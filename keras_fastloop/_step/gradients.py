@@ -11,6 +11,7 @@ import warnings
 
 import tensorflow as tf
 
+from keras_fastloop import _keras_internals as internals
 from keras_fastloop._step import batch, micro_batching, objective, user_metrics
 from keras_fastloop._step.results import StepResult
 from keras_fastloop._warnings import FastloopWarning
@@ -62,7 +63,7 @@ def full_batch(model, step, x, y, sample_weight, variables):
         task_losses, objective_value = record.values, record.objective
         global_losses = record.global_losses
     del tape
-    compile_metrics = model._compile_metrics
+    compile_metrics = internals.compile_metrics(model)
     if user_metrics.overrides_compute_metrics(model):
         compile_metrics = None  # the step calls the override after the update
 
@@ -87,11 +88,11 @@ def connected(step, grads, variables):
     """`(grads, variables)` of the variables that get a gradient.
 
     Keras leaves the others untouched; a `FastloopWarning` names them, once per
-    `TrainingStep` (`step.warned_unconnected`).
+    `TrainingStep` (`step.warned`).
     """
     missing = [v.path for g, v in zip(grads, variables) if g is None]
-    if missing and not step.warned_unconnected:
-        step.warned_unconnected = True
+    if missing and "unconnected" not in step.warned:
+        step.warned.add("unconnected")
         warnings.warn(
             f"{len(missing)} trainable variable(s) get no gradient from the loss and are "
             f"left out of the update (as in keras.Model): {missing}",

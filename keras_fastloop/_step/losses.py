@@ -264,7 +264,7 @@ class TaskLoss(internals.CompileLoss):
         return super().call(y_true, y_pred, sample_weight)
 
     def _has_loss(self, key):
-        loss = self._user_loss
+        loss = internals.user_loss(self)
         return not isinstance(loss, dict) or loss.get(key) is not None
 
     @property

@@ -61,9 +61,9 @@ def validate_micro_batch_size(micro_batch_size):
 
 def warn_small_batch(step, samples):
     """Warn once per `TrainingStep` that a batch held fewer samples than `micro_batch_size`."""
-    if step.warned_small_batch:
+    if "small_batch" in step.warned:
         return
-    step.warned_small_batch = True
+    step.warned.add("small_batch")
     warnings.warn(
         f"The (per-replica) batch has fewer samples ({samples}) than `micro_batch_size` "
         f"({step.micro_batch_size}): each batch runs as one micro-batch, so no memory is "
@@ -149,7 +149,7 @@ def _detect_masks(model, x, y, sample_weight):
 
     def scratch(x_spec, y_spec, sw_spec):
         y_pred = forward(model, x_spec, training=False)
-        terms = model._compile_loss.evaluate(y_spec, y_pred, sw_spec)
+        terms = internals.compile_loss(model).evaluate(y_spec, y_pred, sw_spec)
         found["masked"] = [loss_shares.is_masked(t) for t in terms]
         found["reductions"] = [_reduction(t) for t in terms]
         return tf.constant(0)
@@ -202,7 +202,7 @@ def _masked_denominators(model, x, y, sample_weight, n, k, masked):
     def body(start, size, carry):
         (total,) = carry
         y_pred = forward(model, _slice(x, start, size), training=False)
-        terms = model._compile_loss.evaluate(
+        terms = internals.compile_loss(model).evaluate(
             _slice(y, start, size), y_pred, _slice(sample_weight, start, size)
         )
         counts = []
@@ -214,7 +214,7 @@ def _masked_denominators(model, x, y, sample_weight, n, k, masked):
             counts.append(loss_shares.denominator(term, size, probe))
         return (total + ops.stack(counts),)
 
-    num_tasks = len(model._compile_loss.names)
+    num_tasks = len(internals.compile_loss(model).names)
     (total,) = _for_each_micro_batch(n, k, body, (tf.zeros([num_tasks], "float32"),))
     return total, probes
 
@@ -233,7 +233,7 @@ def _loss_coefficients(weighting, losses):
 
 def _task_sample_weights(model, sample_weight):
     """Each task's full-batch sample weight, picked by Keras' rule (by path when nested)."""
-    entries = internals.compile_loss_entries(model._compile_loss)
+    entries = internals.compile_loss_entries(internals.compile_loss(model))
     if sample_weight is None or not tf.nest.is_nested(sample_weight):
         return [sample_weight] * len(entries)
     picked = []
@@ -247,7 +247,7 @@ def _task_sample_weights(model, sample_weight):
 
 def _metrics_snapshot(model):
     """`(update, undo)` of the compiled metrics: `undo` restores their values from now."""
-    compile_metrics = model._compile_metrics
+    compile_metrics = internals.compile_metrics(model)
     if compile_metrics is None:
         return (lambda *args: None), None
     return compile_metrics.update_state, restore_point(compile_metrics.variables)
@@ -310,7 +310,7 @@ def accumulate(model, step, x, y, sample_weight, variables, micro_batch_size):
         2
     """
     k = int(micro_batch_size)
-    task_loss = model._compile_loss
+    task_loss = internals.compile_loss(model)
     weighting = step.weighting
     if task_loss.names is None or weighting.task_names is None:
         # First trace of a model whose outputs were unknown at compile: build the loss and the
@@ -393,7 +393,7 @@ def accumulate(model, step, x, y, sample_weight, variables, micro_batch_size):
             acc = acc + ops.cast(g, acc.dtype)
         grads.append(acc if connected[i] else None)
     logged_task_loss = combined
-    if not step.loss_is_objective:  # `loss` stays what keras.Model would report
+    if not step.settings.loss_is_objective:  # `loss` stays what keras.Model would report
         static = ops.convert_to_tensor(task_loss.static_weights, "float32")
         logged_task_loss = ops.sum(loss_acc * static)
     return StepResult(

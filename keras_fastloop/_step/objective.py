@@ -1,9 +1,9 @@
 """The default `compute_loss`: the compiled tasks' losses combined by the loss weighting.
 
 `OptimizedTrainer.compute_loss` (Keras' hook, which users may override) calls `compute_loss`
-here. Besides the scalar to differentiate, it leaves a `LossRecord` on the `TrainingStep` for the
-step that called it: the unweighted task losses, the weights, the logged loss' task part and the global
-batch's losses, which `loss_terms` hands to the step.
+here. The library's steps call `loss_terms`, which returns the scalar to differentiate with its
+`LossRecord`: the unweighted task losses, the weights, the logged loss' task part and the global
+batch's losses.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import tensorflow as tf
 from keras import ops
 
+from keras_fastloop import _keras_internals as internals
 from keras_fastloop._step import batch, loss_shares
 
 
@@ -45,7 +46,22 @@ class LossRecord:
 
 
 def compute_loss(model, step, y, y_pred, sample_weight, training=True):
-    """The scalar the step differentiates (see `OptimizedTrainer.compute_loss`).
+    """The body of `OptimizedTrainer.compute_loss`, Keras' hook: `loss_and_record`'s total,
+    with the `{name}_loss` trackers updated as Keras' `CompileLoss` updates them (the hook is
+    called by a user's own `train_step`/`test_step`; the library's steps call
+    `loss_and_record` and record after the guards).
+
+    Raises:
+        ValueError: when there is no loss at all (no compiled loss, no `add_loss`).
+    """
+    total, record = loss_and_record(model, step, y, y_pred, sample_weight, training)
+    if record is not None:
+        internals.compile_loss(model).record(record.values)
+    return total
+
+
+def loss_and_record(model, step, y, y_pred, sample_weight, training=True):
+    """`(total, record)`: the scalar the step differentiates and its `LossRecord`.
 
     Args:
         model: the compiled model.
@@ -54,16 +70,16 @@ def compute_loss(model, step, y, y_pred, sample_weight, training=True):
             `sub_batches` weighting are taken only when training).
 
     Returns:
-        float32 scalar (or Keras' per-sample total, `(batch, ...)`, with losses of
+        `total`: float32 scalar (or Keras' per-sample total, `(batch, ...)`, with losses of
         `reduction=None`): the weighting's objective plus the regularization and `add_loss`
-        losses.
+        losses. `record`: the compiled tasks' `LossRecord`, `None` without a compiled loss.
 
     Raises:
         ValueError: when there is no loss at all (no compiled loss, no `add_loss`).
     """
     terms, record = [], None
     regularization = batch.regularization_terms(model)
-    task_loss = model._compile_loss
+    task_loss = internals.compile_loss(model)
     if task_loss is not None:
         regularization_sum = ops.sum(ops.stack(regularization)) if regularization else None
         record = _task_record(
@@ -73,16 +89,11 @@ def compute_loss(model, step, y, y_pred, sample_weight, training=True):
     terms += regularization
     if not terms:
         raise ValueError("No loss to compute. Provide a `loss` argument in `compile()`.")
-    if record is not None and not step.own_step:
-        # Called from a user's own train_step/test_step: update the `{name}_loss` trackers
-        # here, as Keras' CompileLoss does (our steps record after the guards).
-        task_loss.record(record.values)
-    step.loss_record = record
     if len(terms) == 1:
-        return terms[0]
+        return terms[0], record
     if terms[0].shape.rank:  # per-sample losses plus the (scalar) regularization
-        return terms[0] + ops.sum(ops.stack(terms[1:]))
-    return ops.sum(ops.stack(terms))
+        return terms[0] + ops.sum(ops.stack(terms[1:])), record
+    return ops.sum(ops.stack(terms)), record
 
 
 def _task_record(model, step, task_terms, regularization_sum, training=True):
@@ -99,8 +110,8 @@ def _task_record(model, step, task_terms, regularization_sum, training=True):
     else:
         objective, weights = weighting.combine(values)
     logged_task_loss, per_task = objective, weights
-    if not step.loss_is_objective:
-        per_task = ops.convert_to_tensor(model._compile_loss.static_weights, "float32")
+    if not step.settings.loss_is_objective:
+        per_task = ops.convert_to_tensor(internals.compile_loss(model).static_weights, "float32")
         logged_task_loss = ops.sum(ops.stack(values) * per_task)
     record = LossRecord(values, objective, weights, logged_task_loss, sync.batch_size)
     if weighting.sub_batches > 1 and training:  # parts only for the update, not evaluate
@@ -178,18 +189,18 @@ def _per_sample_objective(values, weighting):
 
 
 def loss_terms(model, step, x, y, y_pred, sample_weight, training):
-    """`(total, logged_loss, record)` through the model's `compute_loss` (overrides included).
+    """`(total, logged_loss, record)` of the library's steps.
 
-    `record` is the `LossRecord` of the default `compute_loss` (left on `step` by it: the
-    hook's return value is Keras' scalar), `None` when an override did not call it (the logged
-    loss is then the total).
+    Without an override of `compute_loss`, `record` is the default loss' `LossRecord`;
+    an override is called as Keras calls it (`record` is `None`, the logged loss is its total,
+    and the trackers are what it records).
     """
-    step.loss_record = None
-    with step.own():
-        total = model._compute_loss(
-            x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training
+    if step.settings.overrides_compute_loss:
+        total = internals.compute_loss_hook(
+            model, x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training
         )
-    record, step.loss_record = step.loss_record, None
+        return total, total, None
+    total, record = loss_and_record(model, step, y, y_pred, sample_weight, training)
     if record is None:
         return total, total, None
     return total, total + (record.logged_task_loss - record.objective), record
@@ -197,6 +208,6 @@ def loss_terms(model, step, x, y, y_pred, sample_weight, training):
 
 def forward(model, x, training):
     """`model(x, training=training)`, or `model(x)` when its `call` takes no `training`."""
-    if model._call_has_training_arg:
+    if internals.call_has_training_arg(model):
         return model(x, training=training)
     return model(x)

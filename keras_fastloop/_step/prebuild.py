@@ -28,7 +28,7 @@ from keras_fastloop._step import objective
 
 
 def _compiled_state_unbuilt(model):
-    metrics, loss = model._compile_metrics, model._compile_loss
+    metrics, loss = internals.compile_metrics(model), internals.compile_loss(model)
     return (metrics is not None and not metrics.built) or (loss is not None and not loss.built)
 
 
@@ -37,12 +37,12 @@ def _eligible(model):
     # The trainer names its own steps (`OptimizedTrainer._fastloop_default_steps`).
     default_steps = getattr(cls, "_fastloop_default_steps", None)
     return (
-        model._distribute_strategy is None  # under a strategy Keras builds it itself
+        internals.distribute_strategy(model) is None  # under a strategy Keras builds it itself
         and model.compiled
         and default_steps is not None
         and cls.train_step is default_steps[0]
         and cls.test_step is default_steps[1]
-        and all(layer.built for layer in model._flatten_layers())
+        and all(layer.built for layer in internals.flatten_layers(model))
     )
 
 
@@ -52,7 +52,7 @@ def build_layers(model, x):
     Without a strategy Keras builds in the first trace; the variables must exist before the
     step reads them (`tf.function` traces once more, with them built).
     """
-    if not all(layer.built for layer in model._flatten_layers()):
+    if not all(layer.built for layer in internals.flatten_layers(model)):
         objective.forward(model, x, training=False)
 
 
@@ -74,8 +74,7 @@ def build_before_first_trace(model, iterator=None, data_batch=None):
         if data_batch is None:
             return
     try:
-        with model.fastloop_step.own():  # symbolic: no tracker update
-            internals.build_compiled_metrics_and_loss(model, data_batch)
+        internals.build_compiled_metrics_and_loss(model, data_batch)  # symbolic
     except Exception:  # noqa: BLE001 - the trace builds what is left, as in keras.Model
         return
 

@@ -1,6 +1,6 @@
 """The one internal contract of the training step, and the step's own metrics.
 
-Both ways of computing a batch's gradient (one pass, `OptimizedTrainer._full_batch`, or
+Both ways of computing a batch's gradient (one pass, `keras_fastloop._step.gradients.full_batch`, or
 micro-batches, `keras_fastloop._step.micro_batching.accumulate`) return a `StepResult`;
 only the trainer turns it into metric updates and logs.
 """

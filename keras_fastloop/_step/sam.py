@@ -104,7 +104,7 @@ def second_gradient(model, step, x, y, sample_weight, grads, variables, optimize
     summed = scaling.unscale(_replicas.all_reduce_sum([_dense(g) for g in grads]), scale)
     summed = [ops.cast(g, "float32") for g in summed]
     weights = [ops.cast(v.value, "float32") for v in variables]
-    if step.sam_adaptive:
+    if step.settings.sam_adaptive:
         t = [ops.abs(w) + ASAM_ETA for w in weights]
         norm = _norm([ti * g for ti, g in zip(t, summed)])
         directions = [ti * ti * g for ti, g in zip(t, summed)]
@@ -112,7 +112,7 @@ def second_gradient(model, step, x, y, sample_weight, grads, variables, optimize
         norm = _norm(summed)
         directions = summed
     finite = ops.isfinite(norm)
-    factor = ops.where(finite, step.sam_rho / (norm + _EPSILON), 0.0)
+    factor = ops.where(finite, step.settings.sam_rho / (norm + _EPSILON), 0.0)
     saved = [tf.identity(v.value) for v in variables]
     perturbed = [
         ops.cast(ops.where(finite, w + factor * d, w), v.dtype)

@@ -88,11 +88,11 @@ def record_metrics(model, step, result, applied):
 
 
 def _record_losses(model, step, result):
-    model._loss_tracker.update_state(
+    internals.loss_tracker(model).update_state(
         internals.unscale_loss_for_distribution(result.logged_loss), sample_weight=result.batch_size
     )
     if result.task_losses is not None:
-        model._compile_loss.record(result.task_losses)
+        internals.compile_loss(model).record(result.task_losses)
     objective = step.metrics.objective
     if objective is not None and result.objective is not None:
         objective.update_state(

@@ -1,0 +1,92 @@
+"""Keras' private attributes are read only through `keras_fastloop/_keras_internals.py`."""
+
+import pathlib
+import re
+
+import keras
+import numpy as np
+
+from keras_fastloop import _keras_internals as internals
+
+PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "keras_fastloop"
+
+# Underscore attributes that Keras defines (on `keras.Model`/`Trainer`, its optimizers and
+# `CompileLoss`) and the package reads or writes.
+KERAS_PRIVATE = (
+    "_compile_loss",
+    "_compile_metrics",
+    "_loss_tracker",
+    "_call_has_training_arg",
+    "_compute_loss",
+    "_distribute_strategy",
+    "_flatten_layers",
+    "_user_loss",
+    "_tracker",
+    "_steps_per_execution",
+    "_jit_compile",
+    "_initial_epoch",
+    "_learning_rate",
+    "_autoconvert_optionals",
+    "_all_reduce_sum_gradients",
+)
+
+# Modules owned by other work in progress, still to be routed: {path: accesses}. An access
+# added anywhere else, or one more here, fails the test.
+PENDING = {
+    "_resume.py": 1,
+    "callbacks/lr_logger.py": 2,
+    "tuning/_glue.py": 1,
+    "_fit_callbacks.py": 1,
+}
+
+
+def private_accesses():
+    """`{path: [(line number, line)]}` of Keras private attribute accesses in code (not in
+    comments or docstrings), outside `_keras_internals.py`."""
+    pattern = re.compile(r"\.(" + "|".join(KERAS_PRIVATE) + r")\b")
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE).as_posix()
+        if rel == "_keras_internals.py":
+            continue
+        in_docstring = False
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("#", 1)[0]
+            if code.count('"""') % 2:
+                in_docstring = not in_docstring
+                continue
+            if in_docstring or code.lstrip().startswith(("def ", "super()")):
+                continue
+            if pattern.search(code) or "keras.src" in code:
+                found.setdefault(rel, []).append((number, line.strip()))
+    return found
+
+
+def test_keras_private_attributes_are_read_only_through_keras_internals():
+    found = private_accesses()
+    extra = {path: hits for path, hits in found.items() if len(hits) > PENDING.get(path, 0)}
+    assert not extra, "Keras private access outside _keras_internals.py:\n" + "\n".join(
+        f"keras_fastloop/{path}:{n}: {line}" for path, hits in extra.items() for n, line in hits
+    )
+
+
+def test_the_check_sees_an_access():
+    assert re.search(r"\.(_compile_loss)\b", "model._compile_loss.names")
+    assert private_accesses().get("_resume.py")  # a known pending access is found
+
+
+def test_keras_still_defines_the_attributes_read_through_internals():
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse", metrics=["mae"])
+    model.fit(np.zeros((4, 2)), np.zeros((4, 1)), verbose=0)
+    assert internals.compile_loss(model) is not None
+    assert internals.compile_metrics(model) is not None
+    assert isinstance(internals.loss_tracker(model), keras.metrics.Mean)
+    assert internals.call_has_training_arg(model) in (True, False)
+    assert internals.distribute_strategy(model) is None
+    assert model in internals.flatten_layers(model)
+    assert internals.user_loss(internals.compile_loss(model)) == "mse"
+    total = internals.compute_loss_hook(
+        model, x=None, y=np.zeros((4, 1)), y_pred=np.ones((4, 1)), sample_weight=None
+    )
+    np.testing.assert_allclose(float(total), 1.0)
