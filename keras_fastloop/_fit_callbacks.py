@@ -238,7 +238,7 @@ def maybe_symbolic_build(model, keras_maybe_symbolic_build, iterator=None, data_
         >>> # in the fit loop: maybe_symbolic_build(model, super()._maybe_symbolic_build, ...)
     """
     strategy = model.distribute_strategy
-    if model._distribute_strategy is None or not multi_worker.is_multi_worker(strategy):
+    if internals.distribute_strategy(model) is None or not multi_worker.is_multi_worker(strategy):
         return keras_maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
     if iterator is not None:
         for _, _, it in iterator:

@@ -405,6 +405,8 @@ install_remat_hook()
 
 
 __all__ = [
+    "autoconvert_optionals",
+    "set_initial_epoch",
     "exact_remat",
     "with_exact_remat",
     "remat_modes",
@@ -466,6 +468,16 @@ def call_has_training_arg(model):
 def compute_loss_hook(model, **kwargs):
     """`model._compute_loss(...)`: Keras' dispatch to `compute_loss` (overrides included)."""
     return model._compute_loss(**kwargs)
+
+
+def set_initial_epoch(model, epoch):
+    """`model._initial_epoch`: the epoch `fit` starts from (Keras' `BackupAndRestore` sets it)."""
+    model._initial_epoch = epoch
+
+
+def autoconvert_optionals(model, step_function):
+    """`model._autoconvert_optionals(f)`: Keras' wrapper for a multi-step loop's outputs."""
+    return model._autoconvert_optionals(step_function)
 
 
 def distribute_strategy(model):

@@ -27,6 +27,7 @@ import os
 import keras
 
 from keras_fastloop import _fit_run as fit_run
+from keras_fastloop import _keras_internals as internals
 from keras_fastloop import _validation
 
 __all__ = ["after_backup"]
@@ -63,7 +64,7 @@ class _MidEpochResume(keras.callbacks.Callback):
         self.backup._batches_seen_since_last_saving = 0
         steps = (self.params or {}).get("steps")
         if steps and batch + 1 >= steps:  # the backup ends epoch `epoch`: resume at the next
-            self.model._initial_epoch = epoch + 1
+            internals.set_initial_epoch(self.model, epoch + 1)
             self.backup._current_epoch = epoch + 1
             self.backup._last_batch_seen = -1
             self._align_checkpoints((epoch + 1) * steps, -1)

@@ -204,14 +204,12 @@ class OptimizedTrainer:
         }
         settings = self._validate(resolved, options)
         self._adopt_loss(settings)
-        _, auto_spe = tuning.resolve_steps_per_execution(settings.steps_per_execution)
-        object.__setattr__(self, "_fastloop_auto_spe", auto_spe)
         return settings
 
     def _compile_keras(self, settings):
         """Keras' compile (without the loss) and the model's `TaskLoss`."""
         # "auto": Keras runs 1 step per slot; tuning.py groups slots into executions.
-        keras_steps_per_execution, auto_spe = tuning.resolve_steps_per_execution(
+        keras_steps_per_execution, _ = tuning.resolve_steps_per_execution(
             settings.steps_per_execution
         )
         super().compile(
@@ -224,7 +222,6 @@ class OptimizedTrainer:
             jit_compile=settings.jit_compile,
             auto_scale_loss=settings.auto_scale_loss,
         )
-        object.__setattr__(self, "_fastloop_auto_spe", auto_spe)  # untracked runtime state
         self._adopt_loss(settings)
 
     def _adopt_loss(self, settings):
@@ -241,6 +238,8 @@ class OptimizedTrainer:
         step = step_module.build(
             self, settings, overrides_compute_loss=self._overrides_compute_loss()
         )
+        # "auto": Keras runs 1 step per slot; the fit loop groups slots into executions
+        _, step.auto_steps = tuning.resolve_steps_per_execution(settings.steps_per_execution)
         object.__setattr__(self, "_fastloop_step", step)  # untracked: a plain object
         # The step's variables are saved under this attribute (Keras' saving walks it).
         object.__setattr__(self, "_fastloop_state", step.state)

@@ -92,6 +92,7 @@ class TrainingStep:
         self.warned = set()  # the once-only warnings given ("small_batch", "unconnected", ...)
         self._reached = 0
         self.evaluating = 0  # inside evaluate/test_on_batch: the step metrics are left out
+        self.auto_steps = None  # steps_per_execution="auto": tuning's AutoSteps (set at compile)
 
     @property
     def clipper(self):

@@ -43,7 +43,7 @@ def make_model(steps_per_execution=1, features=8, seed=0):
         steps_per_execution="auto" if auto else steps_per_execution,
     )
     if auto:
-        state = model._fastloop_auto_spe
+        state = model.fastloop_step.auto_steps
         largest = steps_per_execution == "auto-largest"
         state.tuner = StepsPerExecutionTuner(
             window=1,
@@ -76,7 +76,7 @@ def iterations(model):
 
 
 def executions(model):
-    return list(model._fastloop_auto_spe.executions)
+    return list(model.fastloop_step.auto_steps.executions)
 
 
 class Crash(Exception):
@@ -366,7 +366,7 @@ def test_auto_does_not_change_the_data_order_on_unknown_length():
     # Executions of 4 steps in epoch 0, then of 8: with read-ahead grouping Keras would infer
     # 24 batches, and the last execution of epoch 1 would end on the 24th slot and make Keras
     # open one more data iterator, shifting the shuffle order of every later epoch.
-    model._fastloop_auto_spe.tuner = _ScriptedTuner([4] * 6)
+    model.fastloop_step.auto_steps.tuner = _ScriptedTuner([4] * 6)
     history_auto = model.fit(unknown_length_dataset(x, y), epochs=4, verbose=0).history
     assert iterations(model) == iterations(reference) == 76
     assert all(k == 1 for _, k in executions(model))

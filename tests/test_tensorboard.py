@@ -135,7 +135,7 @@ def test_auto_keeps_tensorboard_batch_summaries_at_their_steps(tmp_path):
     _, reference = trained(1, tmp_path / "one")
     with pytest.warns(kf.FastloopWarning, match=r"TensorBoard\(update_freq=2\)"):
         model, auto = trained("auto", tmp_path / "auto")
-    assert {k for _, k in model._fastloop_auto_spe.executions} == {1}
+    assert {k for _, k in model.fastloop_step.auto_steps.executions} == {1}
     assert [s for s, _ in auto] == [s for s, _ in reference] == list(range(2, 33, 2))
     np.testing.assert_allclose([v for _, v in auto], [v for _, v in reference], rtol=1e-6)
 

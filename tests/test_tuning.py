@@ -536,7 +536,7 @@ def _auto_model(tuner, cls=OptimizedModel):
         "sparse_categorical_crossentropy",
         steps_per_execution="auto",
     )
-    state = model._fastloop_auto_spe
+    state = model.fastloop_step.auto_steps
     state.tuner = tuner
     state.clock = _FakeClock()
     return model, state

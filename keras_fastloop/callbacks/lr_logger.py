@@ -27,13 +27,13 @@ class LearningRateLogger(keras.callbacks.Callback):
     ```
     """
 
-    def _learning_rate(self):
+    def _current_learning_rate(self):
         return float(keras.ops.convert_to_numpy(self.model.optimizer.learning_rate))
 
     def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         if logs is not None:
-            logs["learning_rate"] = self._learning_rate()
+            logs["learning_rate"] = self._current_learning_rate()
 
     def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         if logs is not None:
-            logs["learning_rate"] = self._learning_rate()
+            logs["learning_rate"] = self._current_learning_rate()

@@ -209,7 +209,7 @@ def resolve_steps_per_execution(value, tuner=None):
 
 def auto_state(model):
     """The model's `AutoSteps`, or `None` when it was not compiled with `"auto"`."""
-    return getattr(model, "_fastloop_auto_spe", None)
+    return getattr(getattr(model, "fastloop_step", None), "auto_steps", None)
 
 
 def steps_per_execution_tuner(model: keras.Model) -> StepsPerExecutionTuner | None:
@@ -258,20 +258,20 @@ def fit_state(model):
 
 def _variable_steps_function(model, step_function, state):
     """Keras' multi-step loop with the step count as a tensor argument (one trace for all)."""
-    from keras_fastloop._keras_internals import reduce_per_replica
+    from keras_fastloop import _keras_internals as internals
 
     strategy = model.distribute_strategy
 
     @tf.autograph.experimental.do_not_convert
     def one_step_on_data(data):
         outputs = strategy.run(step_function, args=(data,))
-        return reduce_per_replica(outputs, strategy, reduction="auto")
+        return internals.reduce_per_replica(outputs, strategy, reduction="auto")
 
     one_step_on_data = tf.function(
         one_step_on_data, reduce_retracing=True, jit_compile=model.jit_compile
     )
     traceable = [one_step_on_data]
-    one_step_on_data = model._autoconvert_optionals(one_step_on_data)
+    one_step_on_data = internals.autoconvert_optionals(model, one_step_on_data)
 
     @tf.autograph.experimental.do_not_convert
     def multi_step_on_iterator(iterator, steps):
