@@ -18,14 +18,13 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from keras_fastloop import _compile_checks as checks
 from keras_fastloop import _keras_internals as internals
 from keras_fastloop import _validation as validation
 from keras_fastloop import clipping as clipping_module
 from keras_fastloop import tuning
 from keras_fastloop import weighting as weighting_module
 from keras_fastloop._step import losses, scaling, user_metrics
-from keras_fastloop._step import micro_batching as micro_batching_module
-from keras_fastloop._step import sam as sam_module
 from keras_fastloop._step.results import LOG_METRICS
 from keras_fastloop._warnings import FastloopWarning
 
@@ -258,7 +257,7 @@ def validate_compile_arguments(
         raise ValueError(
             f"`nonfinite` must be one of {NONFINITE_POLICIES}. Received: nonfinite={nonfinite!r}"
         )
-    micro_batch_size = micro_batching_module.validate_micro_batch_size(micro_batch_size)
+    micro_batch_size = checks.validate_micro_batch_size(micro_batch_size)
     if micro_batch_size and weighting.requires_task_gradients:
         raise ValueError(
             "Gradient-based loss weighting cannot be combined with `micro_batch_size` "
@@ -284,27 +283,27 @@ def validate_compile_arguments(
             )
     if overrides_train_step:
         _check_custom_step(type(model).__name__, weighting, loss_weighting, micro_batch_size)
-    sam_rho, sam_adaptive = sam_module.validate(sam_rho, sam_adaptive)
+    sam_rho, sam_adaptive = checks.validate_sam(sam_rho, sam_adaptive)
     if sam_rho is not None:
-        sam_module.check_compatible(type(model).__name__, overrides_train_step, weighting, sam_rho)
+        checks.check_sam_compatible(type(model).__name__, overrides_train_step, weighting, sam_rho)
     if micro_batch_size is not None and user_metrics.overrides_compute_metrics(model):
         raise ValueError(
             "`micro_batch_size` cannot be combined with an overridden `compute_metrics()`: "
             "Keras calls it once per batch with the whole batch's predictions, which "
             f"micro-batching never holds at once. Received: micro_batch_size={micro_batch_size!r}"
         )
-    losses.check_loss_identifiers(loss)
-    losses.check_loss_weights(loss_weights)
-    losses.check_unreduced(
+    checks.check_loss_identifiers(loss)
+    checks.check_loss_weights(loss_weights)
+    checks.check_unreduced(
         loss, micro_batch_size, weighting, model.distribute_strategy.num_replicas_in_sync
     )
     if not overrides_compute_loss:
         # An overridden `compute_loss` may restructure `y_pred` before the compiled loss
         # sees it (Keras' own tests split one output in two), so the loss' structure can
         # only be checked against the outputs when the default `compute_loss` runs.
-        losses.check_keys("loss", loss, model)
-        losses.check_keys("loss_weights", loss_weights, model)
-        losses.check_counts(loss, loss_weights, model)
+        checks.check_keys("loss", loss, model)
+        checks.check_keys("loss_weights", loss_weights, model)
+        checks.check_counts(loss, loss_weights, model)
     layout = losses.task_layout(loss, loss_weights, model)
     weighting.validate(model, None if layout is None else layout[0], shared_variables)
     _check_log_metrics(log_metrics)

@@ -89,26 +89,6 @@ def epoch_iterator_element_spec(iterator):
     return getattr(dataset, "element_spec", None)
 
 
-def profiler_op_stats(xplane_paths):
-    """TensorFlow's `framework_op_stats` tool (TensorBoard's Profile tab) on `.xplane.pb` traces.
-
-    Not Keras but TensorFlow's profiler plugin (`tensorflow.python.profiler.internal`), which has
-    no public Python API. Returns the first table as `(column labels, rows of cell values)`.
-    """
-    import json
-
-    from tensorflow.python.profiler.internal import _pywrap_profiler_plugin
-
-    raw, _ = _pywrap_profiler_plugin.xspace_to_tools_data(
-        [str(p) for p in xplane_paths], "framework_op_stats", {}
-    )
-    table = json.loads(raw)
-    table = table[0] if isinstance(table, list) else table
-    labels = [column.get("label") or column.get("id") for column in table["cols"]]
-    rows = [[cell.get("v") if cell else None for cell in row["c"]] for row in table["rows"]]
-    return labels, rows
-
-
 def tensorboard_train_writer(callback):
     """The train summary writer of a `keras.callbacks.TensorBoard` (Keras' `_train_writer`)."""
     return callback._train_writer
@@ -405,6 +385,7 @@ install_remat_hook()
 
 
 __all__ = [
+    "outputs_struct",
     "autoconvert_optionals",
     "set_initial_epoch",
     "exact_remat",
@@ -417,7 +398,6 @@ __all__ = [
     "save_as",
     "CompileLoss",
     "onednn_enabled",
-    "profiler_op_stats",
     "epoch_iterator_element_spec",
     "build_compiled_metrics_and_loss",
     "compile_loss_entries",
@@ -478,6 +458,11 @@ def set_initial_epoch(model, epoch):
 def autoconvert_optionals(model, step_function):
     """`model._autoconvert_optionals(f)`: Keras' wrapper for a multi-step loop's outputs."""
     return model._autoconvert_optionals(step_function)
+
+
+def outputs_struct(model):
+    """`model._outputs_struct`: a functional model's output structure, or `None`."""
+    return getattr(model, "_outputs_struct", None)
 
 
 def distribute_strategy(model):

@@ -1,4 +1,5 @@
-"""TensorFlow's private knobs for a multi-worker start-up, in one place.
+"""TensorFlow's private pieces we use, in one place: the profiler's op table and the knobs of
+a multi-worker start-up.
 
 `keras_fastloop.cluster.multi_worker_strategy` bounds how long a worker waits for its peers.
 TensorFlow exposes neither knob publicly: the coordination service's register timeout is set
@@ -8,6 +9,25 @@ there for its peers) reads a class attribute whose default, 0, means forever.
 """
 
 import contextlib
+import json
+
+
+def profiler_op_stats(xplane_paths):
+    """TensorFlow's `framework_op_stats` tool (TensorBoard's Profile tab) on `.xplane.pb` traces.
+
+    TensorFlow's profiler plugin (`tensorflow.python.profiler.internal`) has no public Python
+    API. Returns the first table as `(column labels, rows of cell values)`.
+    """
+    from tensorflow.python.profiler.internal import _pywrap_profiler_plugin
+
+    raw, _ = _pywrap_profiler_plugin.xspace_to_tools_data(
+        [str(p) for p in xplane_paths], "framework_op_stats", {}
+    )
+    table = json.loads(raw)
+    table = table[0] if isinstance(table, list) else table
+    labels = [column.get("label") or column.get("id") for column in table["cols"]]
+    rows = [[cell.get("v") if cell else None for cell in row["c"]] for row in table["rows"]]
+    return labels, rows
 
 
 def eager_context_started():
@@ -49,4 +69,9 @@ def first_health_check_timeout(seconds):
         extended._check_health_initial_timeout = previous
 
 
-__all__ = ["configure_worker_coordination", "eager_context_started", "first_health_check_timeout"]
+__all__ = [
+    "configure_worker_coordination",
+    "eager_context_started",
+    "first_health_check_timeout",
+    "profiler_op_stats",
+]

@@ -201,7 +201,7 @@ def test_profiler_plugin_converts_traces_to_the_op_stats_table(tmp_path):
     """`ProfilerWindow.op_time_by_type` reads these columns of `framework_op_stats`."""
     from tensorflow.python.profiler.internal import _pywrap_profiler_plugin
 
-    from keras_fastloop import _keras_internals as internals
+    from keras_fastloop import _tf_internals as internals
 
     assert callable(_pywrap_profiler_plugin.xspace_to_tools_data)
     tf.profiler.experimental.start(str(tmp_path))

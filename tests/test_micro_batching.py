@@ -11,7 +11,7 @@ import tensorflow as tf
 from _helpers import two_replica_strategy
 
 import keras_fastloop as kf
-from keras_fastloop import _replicas
+from keras_fastloop import _compile_checks, _replicas
 from keras_fastloop._step import micro_batching
 
 ATOL = 1e-6
@@ -453,8 +453,8 @@ def test_unreduced_loss_raises_a_clear_error_at_compile():
 
 
 def test_validate_micro_batch_size_passes_none_and_ints():
-    assert micro_batching.validate_micro_batch_size(None) is None
-    assert micro_batching.validate_micro_batch_size(3) == 3
+    assert _compile_checks.validate_micro_batch_size(None) is None
+    assert _compile_checks.validate_micro_batch_size(3) == 3
 
 
 @pytest.mark.parametrize("micro_batch_size", [4, 3])

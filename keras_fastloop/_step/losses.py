@@ -13,13 +13,11 @@ when the step says so (a skipped step leaves them untouched).
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import keras
 from keras import ops, tree
 
 from keras_fastloop import _keras_internals as internals
-from keras_fastloop import _validation
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,126 +73,6 @@ class _Recorder:
         return value
 
 
-def check_loss_weights(loss_weights):
-    """Every number in `loss_weights` (any structure) must be finite and non-negative.
-
-    Raises:
-        ValueError: otherwise, naming the argument as given.
-    """
-    if loss_weights is None:
-        return
-    for weight in tree.flatten(loss_weights):
-        if weight is None:
-            continue
-        if not _validation.is_real(weight) or not math.isfinite(weight) or weight < 0:
-            raise ValueError(
-                "Every entry of `loss_weights` must be a finite, non-negative number. "
-                f"Received: loss_weights={loss_weights}"
-            )
-
-
-def unreduced_losses(loss):
-    """The compiled loss' entries that return one loss per sample (`reduction=None`/"none")."""
-    return [
-        spec
-        for spec in tree.flatten(loss)
-        if isinstance(spec, keras.losses.Loss) and spec.reduction in (None, "none")
-    ]
-
-
-def check_unreduced(loss, micro_batch_size, weighting, num_replicas):
-    """Fail at `compile()` for what per-sample losses cannot do here.
-
-    Keras differentiates an unreduced loss' sum and logs its mean; the step does the same on
-    one replica with the static weights. Micro-batches, other weighting methods and several
-    replicas need one loss value per task and batch.
-    """
-    unreduced = unreduced_losses(loss)
-    if not unreduced:
-        return
-    needs_scalars = {
-        "micro_batch_size": micro_batch_size is not None,
-        "loss_weighting": weighting.name != "static",
-        "a distribution strategy with several replicas": num_replicas > 1,
-    }
-    for what, given in needs_scalars.items():
-        if given:
-            raise ValueError(
-                f"{what!s} needs every loss to reduce to one value per batch (reduction "
-                "'sum_over_batch_size', 'mean', 'mean_with_sample_weight' or 'sum'). "
-                f"Received: loss={unreduced[0]!r} with reduction={unreduced[0].reduction!r}"
-            )
-
-
-def check_loss_identifiers(loss):
-    """Fail at `compile()`, not in the first step, for a loss name Keras does not know."""
-    for spec in tree.flatten(loss):
-        if isinstance(spec, str) and spec.lower() not in ("crossentropy", "ce"):
-            try:
-                keras.losses.get(spec)
-            except (ValueError, TypeError):
-                raise ValueError(
-                    "Unknown loss identifier: expected a loss name from `keras.losses` (e.g. "
-                    "'mse', 'sparse_categorical_crossentropy') or a Loss object. "
-                    f"Received: loss={spec!r}"
-                ) from None
-
-
-def check_keys(argument, value, model):
-    """A dict `loss`/`loss_weights` of a functional model may only name its outputs.
-
-    Accepted keys: the output names and, for dict outputs, the dict's keys.
-
-    Raises:
-        ValueError: naming the unknown keys and the outputs that exist.
-    """
-    if not isinstance(value, dict) or not hasattr(model, "_outputs_struct"):
-        return
-    valid = list(getattr(model, "output_names", None) or [])
-    if isinstance(model._outputs_struct, dict):
-        valid += [k for k in model._outputs_struct if k not in valid]
-    unknown = [k for k in value if k not in valid]
-    if unknown:
-        raise ValueError(
-            f"`{argument}` names outputs the model does not have: {unknown}. The model's "
-            f"outputs are {valid}. Received: {argument}={value}"
-        )
-
-
-def check_counts(loss, loss_weights, model):
-    """A functional model's flat `loss` / `loss_weights` lists need one entry per output.
-
-    Raises:
-        ValueError: for a list `loss` or `loss_weights` of the wrong length, or one float
-            `loss_weights` for several outputs (Keras would find out only in the first step).
-    """
-    outputs = getattr(model, "_outputs_struct", None)
-    if outputs is None:
-        return
-    names = list(getattr(model, "output_names", None) or [])
-    count = len(tree.flatten(outputs))
-    flat_list = isinstance(loss, (list, tuple)) and not any(tree.is_nested(s) for s in loss)
-    if flat_list and len(loss) != count:
-        raise ValueError(
-            f"`loss` must have one entry per output ({count}: {names}). Received: loss={loss}"
-        )
-    if _validation.is_real(loss_weights) and count > 1:
-        raise ValueError(
-            "A single float `loss_weights` is only valid for a single-output model. "
-            f"Received: loss_weights={loss_weights}"
-        )
-    if isinstance(loss_weights, (list, tuple)) and not any(tree.is_nested(w) for w in loss_weights):
-        expected = {count}
-        if tree.is_nested(loss):  # one weight per entry, or per entry that has a loss
-            flat = tree.flatten(loss)
-            expected = {len(flat), len([spec for spec in flat if spec is not None])}
-        if len(loss_weights) not in expected:
-            raise ValueError(
-                f"`loss_weights` must have one entry per output ({count}: {names}). "
-                f"Received: loss_weights={loss_weights}"
-            )
-
-
 def task_layout(loss, loss_weights, model):
     """`(names, static_weights)` of a functional model's tasks, known before any data.
 
@@ -203,7 +81,7 @@ def task_layout(loss, loss_weights, model):
     again, with real targets, by the model's `TaskLoss`). `None` when the model's
     outputs are unknown (subclassed models before their first call) or there is no loss.
     """
-    outputs = getattr(model, "_outputs_struct", None)
+    outputs = internals.outputs_struct(model)
     if loss is None or outputs is None:
         return None
     scratch = internals.CompileLoss(

@@ -15,7 +15,6 @@ Adam on `IndexedSlices`): `docs/design.md`, "Micro-batching".
 
 from __future__ import annotations
 
-import numbers
 import warnings
 
 import keras
@@ -27,36 +26,6 @@ from keras_fastloop._step import batch, loss_shares
 from keras_fastloop._step.objective import forward
 from keras_fastloop._step.results import StepResult, restore_point
 from keras_fastloop._warnings import FastloopWarning
-
-
-def validate_micro_batch_size(micro_batch_size):
-    """Check `compile(micro_batch_size=...)`.
-
-    Args:
-        micro_batch_size: `None` or a positive Python int (`bool` is rejected).
-
-    Returns:
-        `micro_batch_size` unchanged.
-
-    Raises:
-        ValueError: for anything else (`0`, negatives, floats, booleans, strings).
-
-    Example:
-        >>> validate_micro_batch_size(4)
-        4
-    """
-    if micro_batch_size is None:
-        return None
-    if (
-        isinstance(micro_batch_size, bool)
-        or not isinstance(micro_batch_size, numbers.Integral)
-        or micro_batch_size < 1
-    ):
-        raise ValueError(
-            "`micro_batch_size` must be None or a positive integer. "
-            f"Received: micro_batch_size={micro_batch_size!r}"
-        )
-    return int(micro_batch_size)
 
 
 def warn_small_batch(step, samples):

@@ -20,9 +20,6 @@ minimization".
 
 from __future__ import annotations
 
-import math
-import numbers
-
 import tensorflow as tf
 from keras import ops
 
@@ -32,57 +29,6 @@ from keras_fastloop._step.results import restore_point
 
 ASAM_ETA = 0.01
 _EPSILON = 1e-12
-
-
-def validate(sam_rho, sam_adaptive):
-    """Check `compile(sam_rho=..., sam_adaptive=...)`; returns `(rho or None, adaptive)`.
-
-    Raises:
-        ValueError: `sam_rho` not `None` nor a finite real number > 0 (`bool` refused), or
-            `sam_adaptive` not a bool, or `sam_adaptive=True` without `sam_rho`.
-    """
-    if not isinstance(sam_adaptive, bool):
-        raise ValueError(
-            f"`sam_adaptive` must be True or False. Received: sam_adaptive={sam_adaptive!r}"
-        )
-    if sam_rho is None:
-        if sam_adaptive:
-            raise ValueError(
-                "`sam_adaptive=True` needs the neighbourhood radius `sam_rho` (e.g. 0.5 for "
-                "ASAM). Received: sam_adaptive=True, sam_rho=None"
-            )
-        return None, False
-    if (
-        isinstance(sam_rho, bool)
-        or not isinstance(sam_rho, numbers.Real)
-        or not math.isfinite(sam_rho)
-        or sam_rho <= 0
-    ):
-        raise ValueError(
-            "`sam_rho` must be None or a finite number > 0 (the radius of the weight "
-            f"perturbation, e.g. 0.05). Received: sam_rho={sam_rho!r}"
-        )
-    return float(sam_rho), sam_adaptive
-
-
-def check_compatible(class_name, overrides_train_step, weighting, sam_rho):
-    """`sam_rho` needs the library's `train_step` and a weighting without per-task gradients.
-
-    Raises:
-        ValueError: a class with its own `train_step`, or a gradient-based loss weighting.
-    """
-    if overrides_train_step:
-        raise ValueError(
-            f"`sam_rho` needs the library's `train_step` (two gradients of the same batch), and "
-            f"{class_name} has its own. Call `super().train_step(data)` from it, or take the "
-            f"two passes in it. Received: sam_rho={sam_rho!r}"
-        )
-    if weighting.requires_task_gradients:
-        raise ValueError(
-            f"`sam_rho` cannot be combined with the gradient-based loss weighting "
-            f"'{weighting.name}' (its weights would be decided from two gradients per step). "
-            f"Received: sam_rho={sam_rho!r}, loss_weighting={weighting.name!r}"
-        )
 
 
 def second_gradient(model, step, x, y, sample_weight, grads, variables, optimizer):

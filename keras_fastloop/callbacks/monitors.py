@@ -25,8 +25,7 @@ from typing import Any, NamedTuple
 import keras
 import tensorflow as tf
 
-from keras_fastloop import _keras_internals as internals
-from keras_fastloop import _validation
+from keras_fastloop import _tf_internals, _validation
 from keras_fastloop._warnings import FastloopWarning
 
 __all__ = ["ThroughputMonitor", "MemoryMonitor", "ProfilerWindow", "OpTime"]
@@ -517,7 +516,7 @@ class ProfilerWindow(keras.callbacks.Callback):
                 "ProfilerWindow recorded no trace yet: train through the window first. "
                 f"Received: profiled_steps={self.profiled_steps!r}, logdir={self.logdir!r}"
             )
-        labels, rows = internals.profiler_op_stats(paths)
+        labels, rows = _tf_internals.profiler_op_stats(paths)
         column = {label.lower(): i for i, label in enumerate(labels)}
         kind, device = column["operation type"], column["host/device"]
         self_us, count = column["total self-time (us)"], column["#occurrences"]
