@@ -438,6 +438,8 @@ class StepSettings:
             library's steps then call it as Keras does).
         stage_options: the options that act only through the stages, as given (named in the
             warning for a custom step that never reaches them).
+        log_metrics: the optional step metrics logged (`log_metric_names`).
+        has_loss: whether `compile` was given a loss.
         sam_rho: `None` or the SAM radius (a float > 0).
         sam_adaptive: whether SAM is adaptive (ASAM).
     """
@@ -452,13 +454,18 @@ class StepSettings:
     tasks_known_at_compile: bool
     stage_options: dict
     overrides_compute_loss: bool
+    log_metrics: tuple = ()
+    has_loss: bool = True
     sam_rho: float | None = None
     sam_adaptive: bool = False
 
     @classmethod
-    def from_compile(cls, settings, overrides_compute_loss=False):
-        """From validated `CompileSettings` and whether the class overrides `compute_loss`."""
+    def from_compile(cls, settings, optimizer, overrides_compute_loss=False):
+        """From validated `CompileSettings`, the optimizer Keras' compile set (its loss scale
+        decides the default logs) and whether the class overrides `compute_loss`."""
         return cls(
+            log_metrics=tuple(log_metric_names(settings, optimizer)),
+            has_loss=settings.loss is not None,
             clipper=settings.clipper,
             weighting=settings.weighting,
             weighting_given=settings.loss_weighting is not None,

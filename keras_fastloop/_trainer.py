@@ -235,9 +235,10 @@ class OptimizedTrainer:
 
     def _compile_step(self, settings):
         """The model's one `TrainingStep`, from validated settings."""
-        step = step_module.build(
-            self, settings, overrides_compute_loss=self._overrides_compute_loss()
+        step_settings = compile_settings.StepSettings.from_compile(
+            settings, self.optimizer, overrides_compute_loss=self._overrides_compute_loss()
         )
+        step = step_module.build(self, step_settings)
         # "auto": Keras runs 1 step per slot; the fit loop groups slots into executions
         _, step.auto_steps = tuning.resolve_steps_per_execution(settings.steps_per_execution)
         object.__setattr__(self, "_fastloop_step", step)  # untracked: a plain object

@@ -72,14 +72,13 @@ class TrainingStep:
     def __init__(
         self,
         model: keras.Model,
-        settings: compile_settings.CompileSettings,
+        settings: compile_settings.StepSettings,
         state: StepState,
-        overrides_compute_loss: bool = False,
     ) -> None:
         self._model = weakref.ref(model)
-        self.settings = compile_settings.StepSettings.from_compile(settings, overrides_compute_loss)
+        self.settings = settings
         self.state = state
-        self.metrics = StepMetrics(compile_settings.log_metric_names(settings, model.optimizer))
+        self.metrics = StepMetrics(settings.log_metrics)
         self.largest_batch = (
             micro_batching_module.largest_batch_variable() if settings.micro_batch_size else None
         )
@@ -422,8 +421,8 @@ def _nan_if(none, value):
     return ops.where(none, ops.cast(float("nan"), value.dtype), value)
 
 
-def build(model, settings, overrides_compute_loss=False) -> TrainingStep:
-    """The model's `TrainingStep` from validated `CompileSettings` (in `compile()`).
+def build(model, settings) -> TrainingStep:
+    """The model's `TrainingStep` from its `StepSettings` (in `compile()`).
 
     All step state is created here (or, for models whose outputs are unknown until their
     first call, in Keras' symbolic build before training), under the caller's scope.
@@ -432,8 +431,8 @@ def build(model, settings, overrides_compute_loss=False) -> TrainingStep:
     if settings.clipper is not None:
         settings.clipper.build(state)
     guards.build(state, settings.nonfinite)
-    step = TrainingStep(model, settings, state, overrides_compute_loss)
-    if settings.loss is not None and model.dtype_policy.name in (
+    step = TrainingStep(model, settings, state)
+    if settings.has_loss and model.dtype_policy.name in (
         "mixed_float16",
         "mixed_bfloat16",
     ):
