@@ -554,3 +554,108 @@ def test_inputs_without_targets_fail_before_the_first_step(inputs_only):
     with pytest.raises(ValueError, match="needs targets.*Received: validation_data with inputs"):
         model.fit(x, y, batch_size=4, epochs=1, verbose=0, callbacks=[callback])
     assert int(model.optimizer.iterations) == 0
+
+
+# ------------------------------------------------------------------ several named sets
+
+
+def test_named_sets_log_each_set_as_evaluate_gives_it():
+    """Each named set's logs equal `model.evaluate` on that set at the validated weights."""
+    x_easy, y_easy = X_VAL[:8], X_VAL[:8] @ np.array([[1.0], [2.0], [3.0]], "float32")
+    hard = tf.data.Dataset.from_tensor_slices((X_VAL, Y_VAL)).batch(4)
+    model = linear_model()
+    recorder = Recorder(keep_weights=True)
+    validation = PeriodicValidation(
+        {"easy": (x_easy, y_easy), "hard": hard}, every_n_steps=4, batch_size=4
+    )
+    model.fit(
+        X, Y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[recorder, validation]
+    )
+    assert [e["step"] for e in validation.history] == [4, 8]
+    reference = linear_model()
+    for entry in validation.history:
+        assert set(entry) == {
+            "step",
+            "epoch",
+            "val_easy_loss",
+            "val_easy_mae",
+            "val_hard_loss",
+            "val_hard_mae",
+        }
+        reference.set_weights(recorder.weights[entry["step"] - 1])
+        easy = reference.evaluate(x_easy, y_easy, batch_size=4, verbose=0, return_dict=True)
+        hard_logs = reference.evaluate(hard, verbose=0, return_dict=True)
+        for name, logs in (("easy", easy), ("hard", hard_logs)):
+            for metric, value in logs.items():
+                assert entry[f"val_{name}_{metric}"] == pytest.approx(value, rel=1e-6)
+
+
+def test_stock_callbacks_act_on_one_named_set(tmp_path):
+    """ModelCheckpoint and EarlyStopping monitor `val_hard_loss`, not the easy set's loss."""
+    model = zero_model(optimizer=keras.optimizers.SGD(0.1))
+    best = keras.callbacks.ModelCheckpoint(
+        str(tmp_path / "best.keras"), monitor="val_hard_loss", mode="min", save_best_only=True
+    )
+    early_stopping = keras.callbacks.EarlyStopping(monitor="val_hard_loss", mode="min", patience=2)
+    validation = PeriodicValidation(
+        {
+            "easy": forced_validation_data([3.0, 2.0, 1.0, 0.5]),  # keeps improving
+            "hard": forced_validation_data([1.0, 0.9, 0.95, 0.97]),  # best at the 2nd
+        },
+        every_n_steps=25,
+        callbacks=[best, early_stopping],
+    )
+    model.fit(ZEROS_X, ZEROS_Y, batch_size=1, epochs=1, verbose=0, callbacks=[validation])
+    assert [e["step"] for e in validation.history] == [25, 50, 75, 100]
+    np.testing.assert_allclose([e["val_easy_loss"] for e in validation.history], [3, 2, 1, 0.5])
+    assert int(keras.saving.load_model(tmp_path / "best.keras").optimizer.iterations) == 50
+    assert model.stop_training and early_stopping.stopped_epoch == 0
+
+
+def test_one_set_keeps_the_val_keys_and_fit_validation_data_keeps_its_meaning():
+    model = linear_model()
+    validation = PeriodicValidation((X_VAL, Y_VAL), every_n_steps=4)
+    history = model.fit(
+        X,
+        Y,
+        batch_size=8,
+        epochs=1,
+        verbose=0,
+        validation_data=(X_VAL, Y_VAL),
+        callbacks=[validation],
+    )
+    assert set(validation.history[0]) == {"step", "epoch", "val_loss", "val_mae"}
+    reference = model.evaluate(X_VAL, Y_VAL, verbose=0, return_dict=True)
+    assert history.history["val_loss"] == [pytest.approx(reference["loss"], rel=1e-6)]
+
+
+@pytest.mark.parametrize(
+    "validation_data, message",
+    [
+        ({}, "at least one validation set"),
+        ({"easy": (X_VAL[:0], Y_VAL[:0])}, "at least one sample"),
+        ({"": (X_VAL, Y_VAL)}, "letters, digits and underscores"),
+        ({"a b": (X_VAL, Y_VAL)}, "letters, digits and underscores"),
+        ({3: (X_VAL, Y_VAL)}, "letters, digits and underscores"),
+        ((X_VAL[:0], Y_VAL[:0]), "at least one sample"),
+        (tf.data.Dataset.from_tensor_slices((X_VAL, Y_VAL)).take(0).batch(2), "at least one"),
+    ],
+)
+def test_bad_validation_sets(validation_data, message):
+    with pytest.raises(ValueError, match=message):
+        PeriodicValidation(validation_data, every_n_steps=1)
+
+
+def test_named_sets_whose_keys_would_clash_fail_before_logging():
+    model = linear_model(metrics=())
+    model.compile(optimizer="sgd", loss="mse", metrics=[keras.metrics.MeanAbsoluteError("b_loss")])
+    validation = PeriodicValidation({"a": (X_VAL, Y_VAL), "a_b": (X_VAL, Y_VAL)}, every_n_steps=4)
+    with pytest.raises(ValueError, match="val_a_b_loss"):
+        model.fit(X, Y, batch_size=8, epochs=1, verbose=0, callbacks=[validation])
+    assert validation.history == []
+
+
+def test_a_named_set_monitored_in_auto_mode_fails_at_construction():
+    checkpoint = keras.callbacks.ModelCheckpoint("best.keras", monitor="val_hard_loss")
+    with pytest.raises(ValueError, match="mode='min'.*Received: monitor='val_hard_loss'"):
+        PeriodicValidation({"hard": (X_VAL, Y_VAL)}, every_n_steps=1, callbacks=[checkpoint])

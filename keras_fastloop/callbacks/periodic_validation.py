@@ -1,5 +1,3 @@
-# Over 500 lines on purpose: one callback whose save/restore of the training metrics around
-# `evaluate` must be read as a whole (the two Keras behaviours this docstring names).
 """Validation every N optimizer updates (or every N epochs) inside `fit`.
 
 Two Keras behaviours shape this callback:
@@ -30,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import keras
 
 from keras_fastloop import _validation
+from keras_fastloop.callbacks import _validation_sets as sets_module
 
 if TYPE_CHECKING:
     import tensorflow as tf
@@ -57,6 +56,9 @@ class PeriodicValidation(keras.callbacks.Callback):
             `keras.utils.PyDataset`, or a tuple `(x, y)` / `(x, y, sample_weight)` of
             arrays. Must be finite or used with `validation_steps`; give a dataset of
             unknown cardinality a known one or `validation_steps` (docs/behaviour.md).
+            Or several named sets, `{"easy": ds1, "hard": (x, y)}` (every value a dataset
+            or a tuple): each is evaluated and logged as `val_{name}_loss`,
+            `val_{name}_{metric}`, which the driven `callbacks` can monitor.
         every_n_steps: Integer > 0 or `None`. Validate every this many optimizer
             updates. Defaults to `None`.
         every_n_epochs: Integer > 0 or `None`. Validate at the end of every this many
@@ -88,7 +90,9 @@ class PeriodicValidation(keras.callbacks.Callback):
             frequency, `validation_steps` or `batch_size` is not a positive integer,
             if `validation_data` is missing, if `callbacks` holds a non-callback, or if
             `backup_dir` is not a non-empty path, if the arrays of a tuple differ in
-            length, or if an infinite dataset comes without `validation_steps`. At the
+            length, if a set is empty, if an infinite dataset comes without
+            `validation_steps`, or if a set name is not letters, digits and underscores. At
+            the first validation, if two named sets' results would share a log key. At the
             start of `fit`, if a `tf.data.Dataset` `validation_data` is not batched (its
             elements have one axis fewer than the model's inputs), or if arrays without
             targets validate a model that compiled a loss.
@@ -172,19 +176,13 @@ class PeriodicValidation(keras.callbacks.Callback):
                     "`callbacks` must be a list of other `keras.callbacks.Callback` "
                     f"instances. Received: callbacks={callbacks!r}"
                 )
-        if isinstance(validation_data, (tuple, list)):
-            if not 1 <= len(validation_data) <= 3:
-                raise ValueError(
-                    "A tuple `validation_data` must be (x,), (x, y) or (x, y, sample_weight). "
-                    f"Received: validation_data of length {len(validation_data)}"
-                )
-            self._x, self._y, self._sample_weight = keras.utils.unpack_x_y_sample_weight(
-                tuple(validation_data)
-            )
-            _check_same_length(validation_data)
-        else:
-            self._x, self._y, self._sample_weight = validation_data, None, None
-        _check_finite_dataset(validation_data, validation_steps)
+        named = sets_module.named_sets(validation_data)
+        if named is not None:
+            sets_module.check_monitor_modes(named, callbacks)
+        sets = named if named is not None else {None: validation_data}
+        self._sets = {
+            name: sets_module.unpack(data, validation_steps) for name, data in sets.items()
+        }
 
         self.validation_data = validation_data
         self.every_n_steps = every_n_steps
@@ -277,7 +275,10 @@ class PeriodicValidation(keras.callbacks.Callback):
         compiled a loss (the first validation would fail mid-training)."""
         import tensorflow as tf
 
-        if isinstance(self._x, (tf.data.Dataset, keras.utils.PyDataset)) or self._y is not None:
+        if all(
+            isinstance(x, (tf.data.Dataset, keras.utils.PyDataset)) or y is not None
+            for x, y, _ in self._sets.values()
+        ):
             return
         if getattr(self.model, "_compile_loss", None) is not None:
             raise ValueError(
@@ -294,60 +295,59 @@ class PeriodicValidation(keras.callbacks.Callback):
         """
         import tensorflow as tf
 
-        if not isinstance(self._x, tf.data.Dataset):
-            return
         try:
             model_inputs = list(self.model.inputs or [])  # flattened, as tf.nest does
         except (AttributeError, ValueError):  # subclassed model: no symbolic inputs
             return
-        spec = self._x.element_spec
-        x_spec = spec[0] if isinstance(spec, tuple) and 1 <= len(spec) <= 3 else spec
-        leaves = tf.nest.flatten(x_spec)
-        if not model_inputs or len(leaves) != len(model_inputs):
-            return
-        pairs = list(zip(leaves, model_inputs))
-        ranks = [
-            (getattr(leaf, "shape", None), tuple(model_input.shape)) for leaf, model_input in pairs
-        ]
-        if ranks and all(
-            shape is not None and shape.rank is not None and shape.rank + 1 == len(expected)
-            for shape, expected in ranks
-        ):
-            shape, expected = ranks[0]
-            raise ValueError(
-                "`validation_data` must yield batches: its elements have shape "
-                f"{tuple(shape)}, one axis fewer than the model's input {expected}. "
-                "Call `.batch(batch_size)` (or `kf.data.bucket_by_length`) on the dataset. "
-                f"Received: validation_data with element_spec={spec}"
-            )
+        for x, _, _ in self._sets.values():
+            if isinstance(x, tf.data.Dataset):
+                sets_module.check_batched(x, model_inputs)
 
     def _current_step(self):
         return int(keras.ops.convert_to_numpy(self.model.optimizer.iterations))
 
     def _evaluate(self):
-        """Runs `model.evaluate` and leaves the model's metric state as it found it.
+        """Runs `model.evaluate` on each set and leaves the model's metric state as it found it.
 
         Returns:
-            Dict of un-prefixed results (`{"loss": ..., "mae": ...}`).
+            Dict of the logged results: `{"val_loss": ...}` for one set, `{"val_easy_loss":
+            ...}` for named sets.
+
+        Raises:
+            ValueError: two sets' results would share a key (e.g. sets `"a"` and `"a_b"` with
+                a metric `"b_loss"`), before anything is logged.
         """
         variables = list(self.model.metrics_variables)
         saved = [keras.ops.convert_to_numpy(variable) for variable in variables]
+        logs, origin = {}, {}
         try:
-            return self.model.evaluate(
-                x=self._x,
-                y=self._y,
-                sample_weight=self._sample_weight,
-                batch_size=self.batch_size,
-                steps=self.validation_steps,
-                verbose=0,
-                return_dict=True,
-            )
+            for name, (x, y, sample_weight) in self._sets.items():
+                results = self.model.evaluate(
+                    x=x,
+                    y=y,
+                    sample_weight=sample_weight,
+                    batch_size=self.batch_size,
+                    steps=self.validation_steps,
+                    verbose=0,
+                    return_dict=True,
+                )
+                prefix = "val_" if name is None else f"val_{name}_"
+                for metric, value in results.items():
+                    key = prefix + metric
+                    if key in logs:
+                        raise ValueError(
+                            "Each validation set's results need their own keys: "
+                            f"{key!r} comes from the sets {origin[key]!r} and {name!r}. "
+                            f"Rename a set. Received: sets {list(self._sets)}"
+                        )
+                    logs[key], origin[key] = float(value), name
         finally:
             for variable, value in zip(variables, saved):
                 variable.assign(value)
+        return logs
 
     def _validate(self, step, train_logs):
-        val_logs = {f"val_{name}": float(value) for name, value in self._evaluate().items()}
+        val_logs = self._evaluate()
         self.last_validated_step = step
         self.history.append({"step": step, "epoch": self._epoch, **val_logs})
         self._epoch_val_logs = val_logs
@@ -475,34 +475,3 @@ class PeriodicValidation(keras.callbacks.Callback):
         self.last_validated_step = state["last_validated_step"]
         self.history = copy.deepcopy(list(state["history"]))
         self._pending_callback_state = copy.deepcopy(list(state["callbacks"]))
-
-
-def _check_same_length(arrays):
-    """Arrays of `(x, y[, sample_weight])` must share their first dimension (Keras' rule)."""
-    lengths = {
-        int(leaf.shape[0])
-        for leaf in keras.tree.flatten(tuple(arrays))
-        if getattr(leaf, "shape", None) is not None
-        and len(leaf.shape)
-        and leaf.shape[0] is not None
-    }
-    if len(lengths) > 1:
-        raise ValueError(
-            "The arrays of `validation_data` must all have the same number of samples. "
-            f"Received: sizes {sorted(lengths)}"
-        )
-
-
-def _check_finite_dataset(validation_data, validation_steps):
-    """An endless dataset needs `validation_steps`, or every validation would never end."""
-    import tensorflow as tf
-
-    if (
-        isinstance(validation_data, tf.data.Dataset)
-        and validation_steps is None
-        and int(validation_data.cardinality()) == int(tf.data.INFINITE_CARDINALITY)
-    ):
-        raise ValueError(
-            "An infinite `validation_data` dataset needs `validation_steps`. Received: "
-            "validation_data with infinite cardinality, validation_steps=None"
-        )

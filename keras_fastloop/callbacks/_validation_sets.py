@@ -1,0 +1,163 @@
+"""The validation sets of `PeriodicValidation`: one, or several named, each checked when the
+callback is made (or, for what needs the model, when `fit` starts).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+
+import keras
+
+
+def named_sets(validation_data):
+    """`{name: data}` when `validation_data` is a dict of named validation sets, else `None`.
+
+    A dict whose values are all data sets (a `tf.data.Dataset`, a `keras.utils.PyDataset` or
+    an `(x, y[, sample_weight])` tuple) names sets; any other dict is one set's inputs by
+    name, as `evaluate` reads it.
+
+    Raises:
+        ValueError: an empty dict, or a set name that is not a non-empty string of letters,
+            digits and underscores (it becomes part of the log keys, `val_{name}_loss`).
+    """
+    import tensorflow as tf
+
+    if not isinstance(validation_data, Mapping):
+        return None
+    kinds = (tf.data.Dataset, keras.utils.PyDataset, tuple)
+    if validation_data and not all(isinstance(v, kinds) for v in validation_data.values()):
+        return None
+    if not validation_data:
+        raise ValueError(
+            "`validation_data` must hold at least one validation set. Received: validation_data={}"
+        )
+    for name in validation_data:
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_]+", name):
+            raise ValueError(
+                "The name of each validation set must be a non-empty string of letters, "
+                "digits and underscores (its results are logged as `val_{name}_loss`, ...). "
+                f"Received: {name!r} in validation_data's keys {list(validation_data)}"
+            )
+    return dict(validation_data)
+
+
+def check_monitor_modes(named, callbacks):
+    """A callback monitoring a named set's key needs `mode="min"` or `"max"`.
+
+    Keras infers `mode="auto"` from the model's metric named after `val_`; `val_hard_loss`
+    names none, and `ModelCheckpoint`/`EarlyStopping` would fail at the first validation.
+
+    Raises:
+        ValueError: a driven callback with `mode="auto"` monitors `val_{name}_...`.
+    """
+    for callback in callbacks:
+        monitor = getattr(callback, "monitor", None)
+        if not isinstance(monitor, str) or getattr(callback, "mode", None) != "auto":
+            continue
+        if any(monitor.startswith(f"val_{name}_") for name in named):
+            raise ValueError(
+                f"{type(callback).__name__} monitors {monitor!r}, a named validation set's "
+                "key: give it mode='min' (losses, errors) or mode='max' (accuracies), which "
+                f"Keras cannot infer from that name. Received: monitor={monitor!r}, mode='auto'"
+            )
+
+
+def unpack(data, validation_steps):
+    """`(x, y, sample_weight)` of one validation set, checked (see the class' Raises)."""
+    if isinstance(data, (tuple, list)):
+        if not 1 <= len(data) <= 3:
+            raise ValueError(
+                "A tuple `validation_data` must be (x,), (x, y) or (x, y, sample_weight). "
+                f"Received: validation_data of length {len(data)}"
+            )
+        _check_same_length(data)
+        _check_not_empty(data)
+        _check_finite_dataset(data, validation_steps)
+        return keras.utils.unpack_x_y_sample_weight(tuple(data))
+    _check_finite_dataset(data, validation_steps)
+    _check_not_empty(data)
+    return data, None, None
+
+
+def _check_same_length(arrays):
+    """Arrays of `(x, y[, sample_weight])` must share their first dimension (Keras' rule)."""
+    lengths = {
+        int(leaf.shape[0])
+        for leaf in keras.tree.flatten(tuple(arrays))
+        if getattr(leaf, "shape", None) is not None
+        and len(leaf.shape)
+        and leaf.shape[0] is not None
+    }
+    if len(lengths) > 1:
+        raise ValueError(
+            "The arrays of `validation_data` must all have the same number of samples. "
+            f"Received: sizes {sorted(lengths)}"
+        )
+
+
+def _check_not_empty(data):
+    """A validation set with no sample would log nothing (Keras' evaluate then fails)."""
+    import tensorflow as tf
+
+    if isinstance(data, tf.data.Dataset):
+        empty = int(data.cardinality()) == 0
+    elif isinstance(data, (tuple, list)):
+        sizes = [
+            leaf.shape[0]
+            for leaf in keras.tree.flatten(tuple(data))
+            if getattr(leaf, "shape", None) is not None and len(leaf.shape)
+        ]
+        empty = bool(sizes) and sizes[0] == 0
+    else:
+        empty = False
+    if empty:
+        raise ValueError(
+            "Each validation set must hold at least one sample. Received: an empty "
+            f"validation set ({type(data).__name__})"
+        )
+
+
+def _check_finite_dataset(validation_data, validation_steps):
+    """An endless dataset needs `validation_steps`, or every validation would never end."""
+    import tensorflow as tf
+
+    if (
+        isinstance(validation_data, tf.data.Dataset)
+        and validation_steps is None
+        and int(validation_data.cardinality()) == int(tf.data.INFINITE_CARDINALITY)
+    ):
+        raise ValueError(
+            "An infinite `validation_data` dataset needs `validation_steps`. Received: "
+            "validation_data with infinite cardinality, validation_steps=None"
+        )
+
+
+def check_batched(dataset, model_inputs):
+    """Raises when a `tf.data` validation set's elements have one axis fewer than the model's
+    inputs (it would fail at the first validation, mid-training, with a layer-shape error)."""
+    import tensorflow as tf
+
+    spec = dataset.element_spec
+    x_spec = spec[0] if isinstance(spec, tuple) and 1 <= len(spec) <= 3 else spec
+    leaves = tf.nest.flatten(x_spec)
+    if not model_inputs or len(leaves) != len(model_inputs):
+        return
+    pairs = list(zip(leaves, model_inputs))
+    ranks = [
+        (getattr(leaf, "shape", None), tuple(model_input.shape)) for leaf, model_input in pairs
+    ]
+    if ranks and all(
+        shape is not None and shape.rank is not None and shape.rank + 1 == len(expected)
+        for shape, expected in ranks
+    ):
+        shape, expected = ranks[0]
+        raise ValueError(
+            "`validation_data` must yield batches: its elements have shape "
+            f"{tuple(shape)}, one axis fewer than the model's input {expected}. "
+            "Call `.batch(batch_size)` (or `kf.data.bucket_by_length`) on the dataset. "
+            f"Received: validation_data with element_spec={spec}"
+        )
+
+
+__all__ = ["check_batched", "check_monitor_modes", "named_sets", "unpack"]
