@@ -40,6 +40,7 @@ def full_batch(model, step, x, y, sample_weight, variables):
     weighting it is the weighting's combination of the per-task gradients.
     """
     weighting = step.weighting
+    undo_trackers = objective.override_trackers_restore_point(model, step)
     with tf.GradientTape(persistent=weighting.requires_task_gradients) as tape:
         y_pred = objective.forward(model, x, training=True)
         total, logged_loss, record = objective.loss_terms(
@@ -79,6 +80,7 @@ def full_batch(model, step, x, y, sample_weight, variables):
         objective=objective_value,
         batch_size=batch.batch_size(x) if record is None else record.batch_size,
         update_metrics=update_metrics,
+        undo_metrics=undo_trackers,
         global_losses=global_losses,
         y_pred=y_pred,
     )

@@ -13,6 +13,7 @@ from keras import ops
 
 from keras_fastloop import _keras_internals as internals
 from keras_fastloop._step import batch, loss_shares
+from keras_fastloop._step.results import restore_point
 
 
 class LossRecord:
@@ -204,6 +205,16 @@ def loss_terms(model, step, x, y, y_pred, sample_weight, training):
     if record is None:
         return total, total, None
     return total, total + (record.logged_task_loss - record.objective), record
+
+
+def override_trackers_restore_point(model, step):
+    """`undo` for the `{name}_loss` trackers an overridden `compute_loss` records during the
+    forward pass (a skipped step must leave them as if the batch was not seen), else `None`."""
+    compile_loss = internals.compile_loss(model)
+    if not step.settings.overrides_compute_loss or compile_loss is None:
+        return None
+    variables = [v for metric in compile_loss.metrics for v in metric.variables]
+    return restore_point(variables) if variables else None
 
 
 def forward(model, x, training):

@@ -539,3 +539,28 @@ def test_early_stopping_never_takes_an_all_skipped_epoch_as_best():
     assert np.isfinite(stopper.best) and stopper.best == min(
         v for v in ours.history["loss"] if np.isfinite(v)
     )
+
+
+class OverridesComputeLoss(kf.OptimizedModel):
+    """The override Keras' guides show: adds nothing, calls the compiled loss."""
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        return super().compute_loss(x, y, y_pred, sample_weight, training)
+
+
+def test_skipped_batch_leaves_the_task_losses_of_an_overridden_compute_loss_unseen():
+    """Its `super()` call records the `{name}_loss` trackers during the forward pass: a
+    skipped step takes them back, as the default step never records them."""
+
+    def fit(model_class, x, y):
+        model = make_model(model_class)
+        model.compile("sgd", loss={"a": "mse", "b": "mse"})
+        return model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0).history
+
+    x, y = make_data(4, bad_batches=[1])
+    keep = np.r_[0:BATCH, 2 * BATCH : 4 * BATCH]
+    clean = fit(kf.OptimizedModel, x[keep], {k: v[keep] for k, v in y.items()})
+    faulty = fit(OverridesComputeLoss, x, y)
+    for key in ("a_loss", "b_loss", "loss"):
+        assert np.isfinite(faulty[key][0]), key
+        np.testing.assert_allclose(faulty[key], clean[key], rtol=1e-6, err_msg=key)
