@@ -56,9 +56,7 @@ class PeriodicValidation(keras.callbacks.Callback):
             `keras.utils.PyDataset`, or a tuple `(x, y)` / `(x, y, sample_weight)` of
             arrays. Must be finite or used with `validation_steps`; give a dataset of
             unknown cardinality a known one or `validation_steps` (docs/behaviour.md).
-            Or several named sets, `{"easy": ds1, "hard": (x, y)}` (every value a dataset
-            or a tuple): each is evaluated and logged as `val_{name}_loss`,
-            `val_{name}_{metric}`, which the driven `callbacks` can monitor.
+            Or named sets, `{"easy": ds1, "hard": (x, y)}`, logged as `val_{name}_loss`, ...
         every_n_steps: Integer > 0 or `None`. Validate every this many optimizer
             updates. Defaults to `None`.
         every_n_epochs: Integer > 0 or `None`. Validate at the end of every this many
