@@ -219,6 +219,30 @@ def check_sam_compatible(class_name, overrides_train_step, weighting, sam_rho):
         )
 
 
+def check_overwritten_variables(model, weighting, loss_weighting):
+    """Refuse a gradient-based loss weighting on a model with overwritten variables (in
+    `compile()`): its per-task gradients would combine their values as gradients.
+
+    Raises:
+        ValueError: `weighting.requires_task_gradients` and the built model has a trainable
+            variable with `overwrite_with_gradient=True`.
+    """
+    if not weighting.requires_task_gradients or not model.built:
+        return
+    paths = [
+        v.path for v in model.trainable_variables if getattr(v, "overwrite_with_gradient", False)
+    ]
+    if paths:
+        raise ValueError(
+            f"Loss weighting '{weighting.name}' combines per-task gradients, and this model "
+            "has variables the optimizer overwrites with their gradient (float8 scales and "
+            "amax histories, `model.quantize('float8')`), which are not gradients. Use static "
+            "`loss_weights` or a loss-based method (`uw`, `dwa`, `rlw`, `famo`). "
+            f"Received: loss_weighting={loss_weighting!r}, variables={paths[:3]}"
+            + (" ..." if len(paths) > 3 else "")
+        )
+
+
 __all__ = [
     "validate_micro_batch_size",
     "check_loss_identifiers",
@@ -229,4 +253,5 @@ __all__ = [
     "check_counts",
     "validate_sam",
     "check_sam_compatible",
+    "check_overwritten_variables",
 ]

@@ -27,6 +27,7 @@ from keras_fastloop._step import (
     gradients,
     guards,
     loss_shares,
+    overwrite,
     prebuild,
     sam,
     scaling,
@@ -266,14 +267,15 @@ class TrainingStep:
         `[logged_loss, *task losses]` of the global batch or `None`.
         """
         self._reached += 1
-        grads = _replicas.all_reduce_sum(grads)
+        grads = overwrite.all_reduce(grads, variables)
+        grads, variables, overwritten = overwrite.split(grads, variables)
         scale = scaling.current_scale(optimizer)
         grads = scaling.unscale(grads, scale)
         unique_rows, grad_norm = clipping_module.deduplicated_norm(grads)
         decision = guards.decide(self, optimizer, grad_norm, global_losses, grads, variables)
         if self.clipper is not None:  # else the optimizer gets Keras' gradient
             grads = self.clipper(unique_rows, variables, grad_norm)
-        update.apply(optimizer, grads, variables, decision, scale)
+        update.apply(optimizer, grads, variables, decision, scale, overwritten)
         self.applied_in_epoch.assign_add(ops.cast(decision.applied, "int64"))
         faulty = ops.logical_and(decision.skipped, ops.logical_not(guards.overflowed(decision)))
         self.skipped_in_epoch.assign_add(ops.cast(faulty, "int64"))

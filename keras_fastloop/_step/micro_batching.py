@@ -22,7 +22,7 @@ import tensorflow as tf
 from keras import ops
 
 from keras_fastloop import _keras_internals as internals
-from keras_fastloop._step import batch, loss_shares
+from keras_fastloop._step import batch, loss_shares, overwrite
 from keras_fastloop._step.objective import forward
 from keras_fastloop._step.results import StepResult, restore_point
 from keras_fastloop._warnings import FastloopWarning
@@ -336,7 +336,10 @@ def accumulate(model, step, x, y, sample_weight, variables, micro_batch_size):
         grads = tape.gradient(scaled, variables, unconnected_gradients=tf.UnconnectedGradients.NONE)
         for i, g in enumerate(grads):
             connected[i] = connected[i] or g is not None
-        grad_acc = tuple(a if g is None else a + g for a, g in zip(grad_acc, grads))
+        grad_acc = tuple(
+            a if g is None else overwrite.accumulate(a, g, v)
+            for a, g, v in zip(grad_acc, grads, variables)
+        )
         update_metrics(y_m, y_pred, sw_m)
         loss_acc = loss_acc + ops.stack([ops.stop_gradient(c) for c in contributions])
         reg_acc = reg_acc + ops.stop_gradient(ops.cast(reg, "float32"))

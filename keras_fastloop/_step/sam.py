@@ -13,7 +13,8 @@ second gradient non-finite, so the step's guards skip the update (an overflow un
 `LossScaleOptimizer` halves its scale). The second pass is the step's own gradient computation
 (micro-batched when compiled so), its metric updates and the model's float non-trainable state
 (`BatchNormalization` statistics) reset to what the first pass left; the trainable weights are
-restored from a copy (exactly, not by subtracting `e`). Clipping, the finite check and the
+restored from a copy (exactly, not by subtracting `e`). float8 scales and amax histories
+(`overwrite_with_gradient`) are not perturbed and keep the first pass' values. Clipping, the finite check and the
 update then act on the second gradient only. Design: docs/design.md, "Sharpness-aware
 minimization".
 """
@@ -24,7 +25,7 @@ import tensorflow as tf
 from keras import ops
 
 from keras_fastloop import _replicas
-from keras_fastloop._step import gradients, scaling
+from keras_fastloop._step import gradients, overwrite, scaling
 from keras_fastloop._step.results import restore_point
 
 ASAM_ETA = 0.01
@@ -46,6 +47,8 @@ def second_gradient(model, step, x, y, sample_weight, grads, variables, optimize
         A list of gradients of `variables` (dense), non-finite everywhere when the first
         gradient summed across replicas is.
     """
+    first, all_variables = grads, variables  # float8 scales and amax: not perturbed
+    grads, variables, _ = overwrite.split(first, all_variables)
     scale = scaling.current_scale(optimizer)
     summed = scaling.unscale(_replicas.all_reduce_sum([_dense(g) for g in grads]), scale)
     summed = [ops.cast(g, "float32") for g in summed]
@@ -70,14 +73,17 @@ def second_gradient(model, step, x, y, sample_weight, grads, variables, optimize
     if step.micro_batch_size:  # micro-batching updates the metrics inside its loop
         undo_metrics = restore_point(v for m in model.metrics for v in m.variables)
     _assign(variables, perturbed)
-    result = gradients.compute(model, step, x, y, sample_weight, variables)
+    result = gradients.compute(model, step, x, y, sample_weight, all_variables)
     _assign(variables, saved)
     _assign(state, state_saved)
     if undo_metrics is not None:
         undo_metrics()
     poison = ops.where(finite, 0.0, float("nan"))
     second = []
-    for g, v in zip(result.grads, variables):
+    for g, v, g_first in zip(result.grads, all_variables, first):
+        if overwrite.is_overwritten(v):  # the values of the unperturbed pass
+            second.append(g_first)
+            continue
         g = ops.zeros(v.shape, v.dtype) if g is None else _dense(g)
         second.append(g + ops.cast(poison, g.dtype))
     return second

@@ -5,10 +5,10 @@ from __future__ import annotations
 import tensorflow as tf
 
 from keras_fastloop import _keras_internals as internals
-from keras_fastloop._step import distributed, scaling
+from keras_fastloop._step import distributed, overwrite, scaling
 
 
-def apply(optimizer, grads, variables, decision, scale):
+def apply(optimizer, grads, variables, decision, scale, overwritten=()):
     """Apply the update, or skip it entirely (weights, slots, `iterations`).
 
     Args:
@@ -21,10 +21,13 @@ def apply(optimizer, grads, variables, decision, scale):
             overflowing updates and halves its scale itself).
         scale: the loss scale the gradients were divided by (`None`: unscaled), multiplied
             back here because the `LossScaleOptimizer` divides by it again.
+        overwritten: `overwrite.split`'s variables the optimizer assigns their "gradient"
+            (float8 scales and amax histories), joined back as they are.
     """
+    grads = scaling.rescale(grads, scale)
+    grads, variables = overwrite.join(grads, variables, overwritten)
     if not optimizer.built:
         optimizer.build(variables)
-    grads = scaling.rescale(grads, scale)
     condition = scaling.update_condition(optimizer, decision)
     with distributed.gradients_already_reduced(optimizer):
         distributed.cond(condition, lambda g: optimizer.apply(g, variables), args=(grads,))
