@@ -20,6 +20,7 @@ unknown length it keeps one step per execution. The design is in `docs/fit_loop.
 from __future__ import annotations
 
 import numbers
+import weakref
 
 import keras
 
@@ -27,7 +28,8 @@ from keras_fastloop.callbacks import events
 
 __all__ = ["FitRun", "current_run", "skip_next_epoch_batches"]
 
-_ATTRIBUTE = "_fastloop_fit_run"
+# The running `fit` of each model: kept here, not on the model (no attribute for Keras to track).
+_RUNS = weakref.WeakKeyDictionary()
 
 
 class FitRun:
@@ -57,15 +59,15 @@ class FitRun:
         self._previous = current_run(self.model)
         if self.auto is not None:
             self.auto.begin_fit()
-        object.__setattr__(self.model, _ATTRIBUTE, self)  # untracked runtime state
+        _RUNS[self.model] = self
         return self
 
     def __exit__(self, *exc_info):
         """Restores the model's previous run, the epoch iterator and one step per call."""
         if self._previous is None:
-            self.model.__dict__.pop(_ATTRIBUTE, None)
+            _RUNS.pop(self.model, None)
         else:
-            object.__setattr__(self.model, _ATTRIBUTE, self._previous)
+            _RUNS[self.model] = self._previous
         if self.iterator is not None:
             self.iterator.__dict__.pop("_enumerate_iterator", None)
         if self.auto is not None:
@@ -147,7 +149,7 @@ class FitRun:
 
 def current_run(model):
     """The `FitRun` of the `fit` running on `model`, or `None`."""
-    return model.__dict__.get(_ATTRIBUTE)
+    return _RUNS.get(model)
 
 
 def skip_next_epoch_batches(model, count):

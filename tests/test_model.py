@@ -255,6 +255,29 @@ def test_step_state_is_not_in_model_weights_but_is_saved(tmp_path):
     assert int(other.skipped_steps.numpy()) == 7
 
 
+
+def test_model_keeps_two_attributes_beyond_keras_model_during_fit():
+    """Beside what keras.Model holds, the model keeps its step and the step's state (which
+    Keras' saving walks), at compile and during `fit` (with features and "auto" on)."""
+
+    class Record(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            self.during = set(vars(self.model))
+
+    x, y = np.zeros((32, 6), "float32"), np.zeros((32,), "int64")
+    during, after = [], []
+    for cls, options in [
+        (keras.Model, {}),
+        (kf.OptimizedModel, {"gradient_clipping": 1.0, "steps_per_execution": "auto"}),
+    ]:
+        model, record = mlp(cls), Record()
+        model.compile("sgd", "sparse_categorical_crossentropy", **options)
+        model.fit(x, y, batch_size=8, verbose=0, callbacks=[record])
+        during.append(record.during)
+        after.append(set(vars(model)))
+    assert during[1] - during[0] == {"_fastloop_step", "_fastloop_state"}
+    assert after[1] - after[0] == {"_fastloop_step", "_fastloop_state"}
+
 # ============================ the step's semantics: sample and class weights, reductions, loss scaling
 
 
