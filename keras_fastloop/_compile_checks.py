@@ -33,18 +33,7 @@ def validate_micro_batch_size(micro_batch_size):
         >>> validate_micro_batch_size(4)
         4
     """
-    if micro_batch_size is None:
-        return None
-    if (
-        isinstance(micro_batch_size, bool)
-        or not isinstance(micro_batch_size, numbers.Integral)
-        or micro_batch_size < 1
-    ):
-        raise ValueError(
-            "`micro_batch_size` must be None or a positive integer. "
-            f"Received: micro_batch_size={micro_batch_size!r}"
-        )
-    return int(micro_batch_size)
+    return _validation.check_int("micro_batch_size", micro_batch_size, minimum=1, allow_none=True)
 
 
 def check_loss_identifiers(loss):

@@ -76,3 +76,31 @@ class _Exit:
 
     def __exit__(self, *exc):
         return self.manager.__exit__(*exc)
+
+
+# A tiny KerasHub BERT text classifier: random weights, a hand-made vocabulary, nothing downloaded.
+VOCABULARY = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + (
+    "the quick brown fox jumps over lazy dog a cat sat on mat".split()
+)
+TEXTS = ["the quick brown fox", "a cat sat on the mat", "lazy dog", "the fox jumps over"] * 4
+LABELS = np.array([0, 1, 1, 0] * 4)
+
+
+def bert_classifier(cls, dropout=0.1, seed=0):
+    """A one-layer KerasHub `BertTextClassifier` of class `cls` with its preprocessor (skips
+    without keras_hub). `dropout` goes to the backbone and the head (0.1: KerasHub's default);
+    `seed` is set with `keras.utils.set_random_seed` before the weights are made."""
+    keras_hub = pytest.importorskip("keras_hub")
+    keras.utils.set_random_seed(seed)
+    tokenizer = keras_hub.models.BertTokenizer(vocabulary=VOCABULARY)
+    preprocessor = keras_hub.models.BertTextClassifierPreprocessor(tokenizer, sequence_length=8)
+    backbone = keras_hub.models.BertBackbone(
+        vocabulary_size=len(VOCABULARY),
+        num_layers=1,
+        num_heads=2,
+        hidden_dim=8,
+        intermediate_dim=16,
+        max_sequence_length=8,
+        dropout=dropout,
+    )
+    return cls(backbone=backbone, preprocessor=preprocessor, num_classes=2, dropout=dropout)

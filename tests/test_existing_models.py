@@ -7,6 +7,7 @@ data are synthetic."""
 import keras
 import numpy as np
 import pytest
+from _helpers import LABELS, TEXTS, bert_classifier
 
 import keras_fastloop as kf
 
@@ -101,28 +102,6 @@ def test_options_for_an_uncompiled_model_are_refused():
 
 
 # ---------------------------------------------------------------------------- KerasHub
-
-VOCABULARY = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + (
-    "the quick brown fox jumps over lazy dog a cat sat on mat".split()
-)
-TEXTS = ["the quick brown fox", "a cat sat on the mat", "lazy dog", "the fox jumps over"] * 4
-LABELS = np.array([0, 1, 1, 0] * 4)
-
-
-def bert_classifier(cls):
-    keras_hub = pytest.importorskip("keras_hub")
-    keras.utils.set_random_seed(0)
-    tokenizer = keras_hub.models.BertTokenizer(vocabulary=VOCABULARY)
-    preprocessor = keras_hub.models.BertTextClassifierPreprocessor(tokenizer, sequence_length=8)
-    backbone = keras_hub.models.BertBackbone(
-        vocabulary_size=len(VOCABULARY),
-        num_layers=1,
-        num_heads=2,
-        hidden_dim=8,
-        intermediate_dim=16,
-        max_sequence_length=8,
-    )
-    return cls(backbone=backbone, preprocessor=preprocessor, num_classes=2)
 
 
 @pytest.mark.slow  # four small BERT tasks: the slow job

@@ -21,6 +21,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from _helpers import LABELS, TEXTS, bert_classifier
 
 import keras_fastloop as kf
 
@@ -370,24 +371,9 @@ def test_optimized_unregistered_subclass_load_says_register(tmp_path):
 def test_kerashub_task_optimized_round_trip(tmp_path):
     """A real KerasHub task (random weights, no download) given the step by `kf.optimized`."""
     keras_hub = pytest.importorskip("keras_hub")
-    from test_existing_models import LABELS, TEXTS, VOCABULARY
 
     def build():
-        keras.utils.set_random_seed(5)
-        backbone = keras_hub.models.BertBackbone(
-            vocabulary_size=len(VOCABULARY),
-            num_layers=1,
-            num_heads=2,
-            hidden_dim=8,
-            intermediate_dim=16,
-            max_sequence_length=8,
-            dropout=0.0,
-        )
-        tokenizer = keras_hub.models.BertTokenizer(vocabulary=VOCABULARY)
-        preprocessor = keras_hub.models.BertTextClassifierPreprocessor(tokenizer, sequence_length=8)
-        task = keras_hub.models.BertTextClassifier(
-            backbone=backbone, preprocessor=preprocessor, num_classes=2, dropout=0.0
-        )
+        task = bert_classifier(keras_hub.models.BertTextClassifier, dropout=0.0, seed=5)
         kf.optimized(task).compile(**OPTIONS)  # the task's own "auto" optimizer and loss
         return task
 

@@ -416,7 +416,7 @@ class ProfilerWindow(keras.callbacks.Callback):
     def batches_until_next_event(self, batch: int) -> int | None:
         """Batches from the next one (index `batch` of the epoch) to the window's next edge.
 
-        A step event for `steps_per_execution="auto"` (`keras_fastloop.tuning.events`):
+        A step event for `steps_per_execution="auto"` (`keras_fastloop.callbacks.events`):
         executions end right before `start_step` and right after `stop_step`, so the window
         is profiled exactly. Returns an int >= 1, or `None` once the window is done.
         """
