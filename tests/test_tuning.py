@@ -911,7 +911,7 @@ def test_pipeline_sets_autotuning_as_asked_over_the_datasets_own(autotune):
 
 def test_step_events_in_batches():
     """Every declaration of a step event, in batches from the next batch."""
-    from keras_fastloop.tuning import events
+    from keras_fastloop.callbacks import events
 
     class Every(keras.callbacks.Callback):
         every_n_steps = 10

@@ -8,8 +8,7 @@ one compiled execution while `fit` runs (Keras 2 had this; Keras 3 dropped it). 
 - `._glue`: the `compile` argument, the per-model state `AutoSteps` (driven through its
   methods by the running `fit`, `keras_fastloop._fit_run.FitRun`, which groups batches into
   executions) and the variable-count train function;
-- the step events every execution ends at: the protocol of `keras_fastloop.callbacks.events`
-  (also importable as `.events`);
+- the step events every execution ends at: the protocol of `keras_fastloop.callbacks.events`;
 - `.recommended`: `recommended_setup`, `optimize_pipeline` and `onednn_off_on_x86`.
 
 The design (what Keras 3.15 allows, the grouping rule, what is not tuned) is in
