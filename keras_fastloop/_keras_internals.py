@@ -481,23 +481,16 @@ def user_loss(compile_loss):
 
 
 # ------------------------------------------------------------ optimizer EMA (callbacks/ema.py)
-#
-# `BaseOptimizer.build` keeps the variables it optimizes in `_trainable_variables` and, with
-# `use_ema=True`, one average per variable in `_model_variables_moving_average` (same order;
-# optimizer variables, so saved and restored with the optimizer). `apply` calls
-# `self._update_model_variables_moving_average(self._trainable_variables)` after every
-# update, before `iterations` is incremented (the first call sees `iterations == 0`).
+# `BaseOptimizer.build` keeps the optimized variables in `_trainable_variables` and (use_ema)
+# their averages, optimizer variables, in `_model_variables_moving_average`, same order. After
+# every update `apply` calls `_update_model_variables_moving_average(_trainable_variables)`,
+# before `iterations` is incremented (the first call sees `iterations == 0`).
 
 
 def ema_pairs(optimizer):
     """`[(model variable, its moving average)]` of a built optimizer with `use_ema=True`."""
-    return [
-        (variable, average)
-        for variable, average in zip(
-            optimizer._trainable_variables, optimizer._model_variables_moving_average
-        )
-        if average is not None
-    ]
+    averages = optimizer._model_variables_moving_average
+    return [(v, a) for v, a in zip(optimizer._trainable_variables, averages) if a is not None]
 
 
 def set_ema_update(optimizer, update):
