@@ -478,3 +478,21 @@ def flatten_layers(model):
 def user_loss(compile_loss):
     """`compile_loss._user_loss`: the `loss` argument given to `compile()`."""
     return compile_loss._user_loss
+
+
+# ------------------------------------------------------------ optimizer EMA (callbacks/ema.py)
+# `BaseOptimizer.build` keeps the optimized variables in `_trainable_variables` and (use_ema)
+# their averages, optimizer variables, in `_model_variables_moving_average`, same order. After
+# every update `apply` calls `_update_model_variables_moving_average(_trainable_variables)`,
+# before `iterations` is incremented (the first call sees `iterations == 0`).
+
+
+def ema_pairs(optimizer):
+    """`[(model variable, its moving average)]` of a built optimizer with `use_ema=True`."""
+    averages = optimizer._model_variables_moving_average
+    return [(v, a) for v, a in zip(optimizer._trainable_variables, averages) if a is not None]
+
+
+def set_ema_update(optimizer, update):
+    """Replaces the optimizer's moving-average update: `update(trainable_variables)`."""
+    optimizer._update_model_variables_moving_average = update

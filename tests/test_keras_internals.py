@@ -358,3 +358,26 @@ def test_multi_worker_start_up_knobs_of_tensorflow():
     )
     tf.constant(0.0)  # the context starts
     assert internals.eager_context_started()
+
+
+# ------------------------------------------------------------ keras_fastloop/callbacks/ema.py
+
+
+def test_optimizer_ema_attributes_and_update_hook():
+    """`ema_pairs` reads them; `use_ema_warmup` replaces the update hook on the instance."""
+    from keras.src.optimizers import base_optimizer
+
+    from keras_fastloop import _keras_internals as internals
+
+    variable = keras.Variable(np.ones(2, "float32"))
+    optimizer = keras.optimizers.SGD(1.0, use_ema=True, ema_momentum=0.5)
+    optimizer.build([variable])
+    assert [v for v, _ in internals.ema_pairs(optimizer)] == [variable]
+    apply_source = inspect.getsource(base_optimizer.BaseOptimizer._backend_apply_gradients)
+    assert "self._update_model_variables_moving_average(" in apply_source
+    calls = []
+    internals.set_ema_update(
+        optimizer, lambda variables: calls.append((variables, int(optimizer.iterations)))
+    )
+    optimizer.apply([keras.ops.ones(2)], [variable])
+    assert calls == [(optimizer._trainable_variables, 0)]  # before the increment

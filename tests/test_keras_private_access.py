@@ -28,6 +28,9 @@ KERAS_PRIVATE = (
     "_learning_rate",
     "_autoconvert_optionals",
     "_all_reduce_sum_gradients",
+    "_trainable_variables",
+    "_model_variables_moving_average",
+    "_update_model_variables_moving_average",
 )
 
 

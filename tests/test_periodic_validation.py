@@ -629,6 +629,14 @@ def test_one_set_keeps_the_val_keys_and_fit_validation_data_keeps_its_meaning():
     assert history.history["val_loss"] == [pytest.approx(reference["loss"], rel=1e-6)]
 
 
+class EmptyPyDataset(keras.utils.PyDataset):
+    def __len__(self):
+        return 0
+
+    def __getitem__(self, index):
+        raise IndexError(index)
+
+
 @pytest.mark.parametrize(
     "validation_data, message",
     [
@@ -639,6 +647,8 @@ def test_one_set_keeps_the_val_keys_and_fit_validation_data_keeps_its_meaning():
         ({3: (X_VAL, Y_VAL)}, "letters, digits and underscores"),
         ((X_VAL[:0], Y_VAL[:0]), "at least one sample"),
         (tf.data.Dataset.from_tensor_slices((X_VAL, Y_VAL)).take(0).batch(2), "at least one"),
+        (EmptyPyDataset(), r"at least one sample.*\(EmptyPyDataset\)"),
+        ({"easy": (X_VAL, Y_VAL), "hard": EmptyPyDataset()}, "at least one sample"),
     ],
 )
 def test_bad_validation_sets(validation_data, message):

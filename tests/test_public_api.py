@@ -43,6 +43,7 @@ def test_submodule_exports():
         "get",
     }
     assert set(kf.callbacks.__all__) == {
+        "EMAValidation",
         "LearningRateLogger",
         "MemoryMonitor",
         "PREEMPTED_EXIT_CODE",
@@ -50,6 +51,8 @@ def test_submodule_exports():
         "PeriodicValidation",
         "ProfilerWindow",
         "ThroughputMonitor",
+        "ema_weights",
+        "use_ema_warmup",
     }
     assert set(kf.data.__all__) == {
         "BucketPlan",

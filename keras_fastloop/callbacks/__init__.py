@@ -1,4 +1,4 @@
-"""Callbacks: step-gated validation, learning-rate logging, throughput/memory/profiler monitors, save on preemption.
+"""Callbacks: step-gated validation (named sets, EMA weights), learning-rate logging, throughput/memory/profiler monitors, save on preemption.
 
 A callback of your own that must see the model after given optimizer steps or batches (to
 validate, save, log or profile there) declares them as step events, and
@@ -8,12 +8,14 @@ validate, save, log or profile there) declares them as step events, and
 """
 
 from keras_fastloop.callbacks import events  # noqa: F401 - the step-event protocol
+from keras_fastloop.callbacks.ema import EMAValidation, ema_weights, use_ema_warmup
 from keras_fastloop.callbacks.lr_logger import LearningRateLogger
 from keras_fastloop.callbacks.monitors import MemoryMonitor, ProfilerWindow, ThroughputMonitor
 from keras_fastloop.callbacks.periodic_validation import PeriodicValidation
 from keras_fastloop.callbacks.preemption import PREEMPTED_EXIT_CODE, SaveOnPreemption
 
 __all__ = [
+    "EMAValidation",
     "PREEMPTED_EXIT_CODE",
     "LearningRateLogger",
     "MemoryMonitor",
@@ -21,4 +23,6 @@ __all__ = [
     "ProfilerWindow",
     "SaveOnPreemption",
     "ThroughputMonitor",
+    "ema_weights",
+    "use_ema_warmup",
 ]

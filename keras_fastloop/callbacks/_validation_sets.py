@@ -109,6 +109,11 @@ def _check_not_empty(data):
             if getattr(leaf, "shape", None) is not None and len(leaf.shape)
         ]
         empty = bool(sizes) and sizes[0] == 0
+    elif isinstance(data, keras.utils.PyDataset):
+        try:
+            empty = data.num_batches == 0
+        except NotImplementedError:  # neither `num_batches` nor `__len__`: Keras refuses it
+            empty = False
     else:
         empty = False
     if empty:

@@ -18,6 +18,7 @@ Two Keras behaviours shape this callback:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import numbers
@@ -29,6 +30,7 @@ import keras
 
 from keras_fastloop import _validation
 from keras_fastloop.callbacks import _validation_sets as sets_module
+from keras_fastloop.callbacks.ema import check_ema_model, ema_weights
 
 if TYPE_CHECKING:
     import tensorflow as tf
@@ -77,6 +79,8 @@ class PeriodicValidation(keras.callbacks.Callback):
             `keras.callbacks.BackupAndRestore` used in the same `fit`; the callback's
             state is saved there and restored after a crash (see above). Defaults to
             `None` (each `fit` starts afresh unless `set_state` is used).
+        ema: Boolean. Evaluate the optimizer's EMA weights (`use_ema=True`), giving the
+            raw weights back bit for bit (`kf.callbacks.ema_weights`). Defaults to `False`.
 
     Attributes:
         history: List of dicts, one per validation (see above).
@@ -84,16 +88,12 @@ class PeriodicValidation(keras.callbacks.Callback):
             one, the step at which training started (intervals count from there).
 
     Raises:
-        ValueError: At construction, if not exactly one frequency is given, if a
-            frequency, `validation_steps` or `batch_size` is not a positive integer,
-            if `validation_data` is missing, if `callbacks` holds a non-callback, or if
-            `backup_dir` is not a non-empty path, if the arrays of a tuple differ in
-            length, if a set is empty, if an infinite dataset comes without
-            `validation_steps`, or if a set name is not letters, digits and underscores. At
-            the first validation, if two named sets' results would share a log key. At the
-            start of `fit`, if a `tf.data.Dataset` `validation_data` is not batched (its
-            elements have one axis fewer than the model's inputs), or if arrays without
-            targets validate a model that compiled a loss.
+        ValueError: At construction, for an argument out of its range above, a missing,
+            empty or infinite (without `validation_steps`) set, arrays of different lengths,
+            a set name not of letters, digits and underscores, or a named-set monitor in
+            `mode="auto"`. At the start of `fit`, for an unbatched `tf.data` set, arrays
+            without targets for a compiled loss, or `ema=True` without the optimizer's
+            `use_ema=True`. At the first validation, if two sets' results share a log key.
 
     Example:
 
@@ -119,6 +119,7 @@ class PeriodicValidation(keras.callbacks.Callback):
         validate_at_end: bool = False,
         verbose: int = 0,
         backup_dir: str | os.PathLike[str] | None = None,
+        ema: bool = False,
     ) -> None:
         super().__init__()
         if validation_data is None:
@@ -158,6 +159,8 @@ class PeriodicValidation(keras.callbacks.Callback):
             verbose,
         )
         verbose = int(verbose)
+        if not isinstance(ema, bool):
+            raise ValueError(f"`ema` must be a bool. Received: ema={ema!r}")
         if backup_dir is not None and (
             not isinstance(backup_dir, (str, os.PathLike)) or not os.fspath(backup_dir)
         ):
@@ -191,6 +194,7 @@ class PeriodicValidation(keras.callbacks.Callback):
         self.validate_at_end = validate_at_end
         self.verbose = verbose
         self.backup_dir = None if backup_dir is None else os.fspath(backup_dir)
+        self.ema = ema
 
         self.history = []
         self.last_validated_step = None
@@ -215,6 +219,8 @@ class PeriodicValidation(keras.callbacks.Callback):
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         self._check_validation_batched()
         self._check_targets()
+        if self.ema:
+            check_ema_model(self.model, "`PeriodicValidation(ema=True)`")
         for callback in self.callbacks:
             callback.on_train_begin(logs)
         if self._pending_callback_state is not None:  # set_state() was called: resume
@@ -305,7 +311,8 @@ class PeriodicValidation(keras.callbacks.Callback):
         return int(keras.ops.convert_to_numpy(self.model.optimizer.iterations))
 
     def _evaluate(self):
-        """Runs `model.evaluate` on each set and leaves the model's metric state as it found it.
+        """Runs `model.evaluate` on each set and leaves the model's metric state (and, with
+        `ema`, its weights) as it found it.
 
         Returns:
             Dict of the logged results: `{"val_loss": ...}` for one set, `{"val_easy_loss":
@@ -318,27 +325,29 @@ class PeriodicValidation(keras.callbacks.Callback):
         variables = list(self.model.metrics_variables)
         saved = [keras.ops.convert_to_numpy(variable) for variable in variables]
         logs, origin = {}, {}
+        weights = ema_weights(self.model) if self.ema else contextlib.nullcontext()
         try:
-            for name, (x, y, sample_weight) in self._sets.items():
-                results = self.model.evaluate(
-                    x=x,
-                    y=y,
-                    sample_weight=sample_weight,
-                    batch_size=self.batch_size,
-                    steps=self.validation_steps,
-                    verbose=0,
-                    return_dict=True,
-                )
-                prefix = "val_" if name is None else f"val_{name}_"
-                for metric, value in results.items():
-                    key = prefix + metric
-                    if key in logs:
-                        raise ValueError(
-                            "Each validation set's results need their own keys: "
-                            f"{key!r} comes from the sets {origin[key]!r} and {name!r}. "
-                            f"Rename a set. Received: sets {list(self._sets)}"
-                        )
-                    logs[key], origin[key] = float(value), name
+            with weights:
+                for name, (x, y, sample_weight) in self._sets.items():
+                    results = self.model.evaluate(
+                        x=x,
+                        y=y,
+                        sample_weight=sample_weight,
+                        batch_size=self.batch_size,
+                        steps=self.validation_steps,
+                        verbose=0,
+                        return_dict=True,
+                    )
+                    prefix = "val_" if name is None else f"val_{name}_"
+                    for metric, value in results.items():
+                        key = prefix + metric
+                        if key in logs:
+                            raise ValueError(
+                                "Each validation set's results need their own keys: "
+                                f"{key!r} comes from the sets {origin[key]!r} and {name!r}. "
+                                f"Rename a set. Received: sets {list(self._sets)}"
+                            )
+                        logs[key], origin[key] = float(value), name
         finally:
             for variable, value in zip(variables, saved):
                 variable.assign(value)

@@ -1,0 +1,168 @@
+"""Validation on the optimizer's EMA weights while training continues on the raw ones.
+
+With `optimizer(use_ema=True)` Keras keeps an exponential moving average of each trainable
+variable (Polyak averaging; Polyak & Juditsky 1992) as an optimizer variable, and overwrites the
+model with it only when `fit` ends. How validation reads it here, why Keras'
+`keras.callbacks.SwapEMAWeights` is not enough, and what happens to BatchNorm statistics:
+docs/guide.md, "EMA weights".
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import keras
+
+from keras_fastloop import _keras_internals as internals
+
+__all__ = ["EMAValidation", "ema_weights", "use_ema_warmup"]
+
+
+def _ema_optimizer(optimizer, what):
+    inner = getattr(optimizer, "inner_optimizer", None)  # LossScaleOptimizer
+    optimizer = inner if inner is not None else optimizer
+    if not getattr(optimizer, "use_ema", False):
+        raise ValueError(
+            f"{what} needs an optimizer with `use_ema=True` (it keeps the moving averages). "
+            f"Received: optimizer={type(optimizer).__name__} with "
+            f"use_ema={getattr(optimizer, 'use_ema', None)}"
+        )
+    return optimizer
+
+
+def check_ema_model(model, what):
+    """The model's (inner) optimizer, checked to keep EMA weights.
+
+    Raises:
+        ValueError: if the model has no optimizer with `use_ema=True`.
+    """
+    return _ema_optimizer(getattr(model, "optimizer", None), what)
+
+
+@contextlib.contextmanager
+def ema_weights(model: keras.Model) -> Iterator[None]:
+    """Puts the optimizer's EMA weights into `model` and restores the raw ones bit for bit.
+
+    The raw values are copied to host memory (one copy of the trainable weights) and assigned
+    back on exit, also when the body raises. Keras' `SwapEMAWeights` swaps by additions and
+    subtractions on TensorFlow, which changes the raw weights in their last bits. Under a
+    `tf.distribute` strategy every replica's copy is assigned. Non-trainable variables
+    (BatchNorm moving statistics, step state) are left as they are.
+
+    Args:
+        model: A compiled, trained `keras.Model` whose optimizer has `use_ema=True`.
+
+    Raises:
+        ValueError: If the optimizer does not use EMA or has not applied an update yet.
+
+    Example:
+
+    ```python
+    with kf.callbacks.ema_weights(model):
+        model.evaluate(test_ds)  # EMA weights
+    ```
+    """
+    optimizer = check_ema_model(model, "`ema_weights`")
+    if not optimizer.built or int(keras.ops.convert_to_numpy(optimizer.iterations)) == 0:
+        raise ValueError(
+            "`ema_weights` needs at least one optimizer update (the moving averages start at "
+            "the first one). Received: optimizer.iterations=0"
+        )
+    pairs = internals.ema_pairs(optimizer)
+    raw = [keras.ops.convert_to_numpy(variable) for variable, _ in pairs]
+    try:
+        for variable, average in pairs:
+            variable.assign(average)
+        yield
+    finally:
+        for (variable, _), value in zip(pairs, raw):
+            variable.assign(value)
+
+
+class EMAValidation(keras.callbacks.Callback):
+    """Evaluates `fit(validation_data=...)` on the EMA weights, training on the raw ones.
+
+    Swaps the optimizer's EMA weights in at `on_test_begin` and the raw weights back, bit for
+    bit, at `on_test_end` (see `ema_weights`). For `PeriodicValidation` pass `ema=True` to it
+    instead: its mid-epoch evaluations do not call `fit`'s callbacks. After `fit` the model
+    holds the EMA weights (Keras' `finalize_variable_values`).
+
+    Raises:
+        ValueError: At the start of `fit` (or of `evaluate`), if the optimizer does not have
+            `use_ema=True`.
+
+    Example:
+
+    ```python
+    model.compile(keras.optimizers.AdamW(use_ema=True, ema_momentum=0.999), "mse")
+    model.fit(train_ds, validation_data=val_ds, callbacks=[kf.callbacks.EMAValidation()])
+    ```
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._swapped = None
+
+    def on_train_begin(self, logs=None):
+        check_ema_model(self.model, "`EMAValidation`")
+
+    def on_test_begin(self, logs=None):
+        if self._swapped is None:
+            self._swapped = contextlib.ExitStack()
+            self._swapped.enter_context(ema_weights(self.model))
+
+    def on_test_end(self, logs=None):
+        if self._swapped is not None:
+            swapped, self._swapped = self._swapped, None
+            swapped.close()
+
+    def on_train_end(self, logs=None):
+        self.on_test_end()
+
+
+def use_ema_warmup(optimizer: keras.optimizers.Optimizer) -> keras.optimizers.Optimizer:
+    """Makes the optimizer's EMA decay warm up: `min(ema_momentum, (1 + t) / (10 + t))`.
+
+    `t` is `optimizer.iterations` at the update (0 at the first, which copies the weights as
+    Keras does). The rule is `tf.compat.v1.train.ExponentialMovingAverage`'s `num_updates`
+    correction (TF-slim and TF 1 trainers); without it an EMA with decay 0.999 is still
+    mostly the initial weights after a few hundred steps. With gradient accumulation Keras
+    updates the average at every micro-batch, and `t` counts micro-batches.
+
+    The rule lives on this optimizer object, not in its config: call it before the first
+    `fit` (before the train function is traced) and again on the optimizer of a model from
+    `keras.saving.load_model` or before resuming; the averages and `iterations` themselves are
+    optimizer variables and are saved and restored.
+
+    Args:
+        optimizer: A `keras.optimizers.Optimizer` (or `LossScaleOptimizer`) with
+            `use_ema=True`.
+
+    Returns:
+        The same optimizer.
+
+    Raises:
+        ValueError: If the optimizer does not have `use_ema=True`.
+    """
+    ema_optimizer = _ema_optimizer(optimizer, "`use_ema_warmup`")
+    ops = keras.ops
+
+    def update(trainable_variables):
+        step = ops.cast(ema_optimizer.iterations, "float32")
+        decay = ops.minimum(
+            ops.cast(ema_optimizer.ema_momentum, "float32"),
+            ops.divide(ops.add(1.0, step), ops.add(10.0, step)),
+        )
+        decay = ops.where(ops.equal(ema_optimizer.iterations, 0), 0.0, decay)
+        for variable, average in internals.ema_pairs(ema_optimizer):
+            momentum = ops.cast(decay, variable.dtype)
+            average.assign(
+                ops.add(
+                    ops.multiply(momentum, average),
+                    ops.multiply(ops.subtract(1, momentum), variable),
+                )
+            )
+
+    internals.set_ema_update(ema_optimizer, update)
+    return optimizer

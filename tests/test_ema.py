@@ -1,0 +1,316 @@
+"""Validation on the optimizer's EMA weights (keras#18949): against a
+hand-computed EMA and `model.evaluate` on manually assigned weights; raw weights restored
+bit for bit; saved and resumed; warmup-corrected decay."""
+
+import keras
+import numpy as np
+import pytest
+from _helpers import two_replica_strategy
+
+import keras_fastloop as kf
+from keras_fastloop.callbacks import EMAValidation, PeriodicValidation, ema_weights, use_ema_warmup
+
+RNG = np.random.default_rng(7)
+X = RNG.normal(size=(64, 3)).astype("float32")
+Y = (X @ RNG.normal(size=(3, 2)) + 0.3).astype("float32")
+X_VAL = RNG.normal(size=(16, 3)).astype("float32")
+Y_VAL = RNG.normal(size=(16, 2)).astype("float32")
+MOMENTUM = 0.8
+
+
+def make_model(cls=keras.Model, use_ema=True, momentum=MOMENTUM, batch_norm=False, **compile_kw):
+    keras.utils.set_random_seed(2)
+    inputs = keras.Input((3,))
+    hidden = keras.layers.BatchNormalization()(inputs) if batch_norm else inputs
+    model = cls(inputs, keras.layers.Dense(2)(hidden))
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.05, use_ema=use_ema, ema_momentum=momentum),
+        loss="mse",
+        metrics=["mae"],
+        **compile_kw,
+    )
+    return model
+
+
+class Recorder(keras.callbacks.Callback):
+    """Raw weights (all, and trainable) after every step, by optimizer step."""
+
+    def __init__(self):
+        super().__init__()
+        self.weights, self.trainable = {}, {}
+
+    def on_train_batch_end(self, batch, logs=None):
+        step = int(keras.ops.convert_to_numpy(self.model.optimizer.iterations))
+        self.weights[step] = self.model.get_weights()
+        self.trainable[step] = [keras.ops.convert_to_numpy(v) for v in self.model.trainable_weights]
+
+
+def hand_ema(trainable_by_step, momentum=MOMENTUM, warmup=False):
+    """`{step: averages}`: Keras' rule (the first update copies), float64."""
+    averages, result = None, {}
+    for step in sorted(trainable_by_step):
+        weights = [w.astype("float64") for w in trainable_by_step[step]]
+        t = step - 1  # optimizer.iterations when the update of `step` ran
+        decay = min(momentum, (1 + t) / (10 + t)) if warmup else momentum
+        if averages is None:
+            averages = weights
+        else:
+            averages = [decay * a + (1 - decay) * w for a, w in zip(averages, weights)]
+        result[step] = averages
+    return result
+
+
+def evaluate_with(raw_weights, trainable, batch_norm=False):
+    """`model.evaluate` of a fresh model: the raw weights, trainable ones assigned by hand."""
+    model = make_model(batch_norm=batch_norm)
+    model.set_weights(raw_weights)
+    for variable, value in zip(model.trainable_weights, trainable):
+        variable.assign(value.astype("float32"))
+    return model.evaluate(X_VAL, Y_VAL, verbose=0, return_dict=True)
+
+
+def fit(model, callbacks, epochs=1, **kwargs):
+    return model.fit(
+        X, Y, batch_size=8, epochs=epochs, shuffle=False, verbose=0, callbacks=callbacks, **kwargs
+    ).history
+
+
+def assert_bit_equal(first, second):
+    assert len(first) == len(second)
+    for a, b in zip(first, second):
+        np.testing.assert_array_equal(a, b)
+
+
+# --- PeriodicValidation(ema=True) ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("batch_norm", [False, True], ids=["dense", "batch_norm"])
+def test_periodic_validation_evaluates_the_hand_computed_ema(batch_norm):
+    model = make_model(batch_norm=batch_norm)
+    validation = PeriodicValidation((X_VAL, Y_VAL), every_n_steps=3, ema=True)
+    recorder = Recorder()
+    fit(model, [validation, recorder])
+    averages = hand_ema(recorder.trainable)
+    assert [entry["step"] for entry in validation.history] == [3, 6]
+    for entry in validation.history:
+        step = entry["step"]
+        # BatchNorm moving statistics: the live (raw) ones, as recorded at the step.
+        expected = evaluate_with(recorder.weights[step], averages[step], batch_norm)
+        raw = evaluate_with(recorder.weights[step], recorder.trainable[step], batch_norm)
+        assert entry["val_loss"] == pytest.approx(expected["loss"], rel=1e-5)
+        assert entry["val_mae"] == pytest.approx(expected["mae"], rel=1e-5)
+        assert entry["val_loss"] != pytest.approx(raw["loss"], rel=1e-3)  # not the raw weights
+
+
+@pytest.mark.parametrize("batch_norm", [False, True], ids=["dense", "batch_norm"])
+def test_training_continues_on_the_raw_weights_bit_for_bit(batch_norm):
+    plain, validated = Recorder(), Recorder()
+    plain_model = make_model(batch_norm=batch_norm)
+    plain_logs = fit(plain_model, [plain], epochs=2)
+    model = make_model(batch_norm=batch_norm)
+    validation = PeriodicValidation((X_VAL, Y_VAL), every_n_steps=1, ema=True)
+    logs = fit(model, [validation, validated], epochs=2)
+    assert len(validation.history) == 16
+    assert {key: logs[key] for key in plain_logs} == plain_logs
+    for step in plain.weights:  # moving statistics included
+        assert_bit_equal(plain.weights[step], validated.weights[step])
+    assert_bit_equal(
+        [v.numpy() for v in plain_model.optimizer.variables],
+        [v.numpy() for v in model.optimizer.variables],
+    )
+
+
+def test_steps_per_execution_auto_validates_at_the_steps_with_the_same_values():
+    reference = PeriodicValidation((X_VAL, Y_VAL), every_n_steps=5, ema=True)
+    fit(make_model(kf.OptimizedModel), [reference], epochs=3)
+    auto = PeriodicValidation((X_VAL, Y_VAL), every_n_steps=5, ema=True)
+    fit(make_model(kf.OptimizedModel, steps_per_execution="auto"), [auto], epochs=3)
+    assert [entry["step"] for entry in auto.history] == [5, 10, 15, 20]
+    for first, second in zip(reference.history, auto.history, strict=True):
+        assert second == pytest.approx(first, rel=1e-6)
+
+
+def test_ema_weights_restores_the_raw_weights_when_the_body_raises():
+    model = make_model()
+    fit(model, [])
+    model.set_weights([w + 1 for w in model.get_weights()])  # raw != EMA after finalize
+    raw = model.get_weights()
+    with pytest.raises(RuntimeError, match="boom"), ema_weights(model):
+        assert not np.array_equal(model.get_weights()[0], raw[0])
+        raise RuntimeError("boom")
+    assert_bit_equal(raw, model.get_weights())
+
+
+# --- Keras' validation_data: EMAValidation vs keras.callbacks.SwapEMAWeights -------------------
+
+
+class SwapProbe(keras.callbacks.Callback):
+    """Raw weights just before the swap in and just after the swap back (list around it)."""
+
+    def __init__(self, where):
+        super().__init__()
+        self.where, self.seen = where, []
+
+    def on_test_begin(self, logs=None):
+        if self.where == "before":
+            self.seen.append(self.model.get_weights())
+
+    def on_test_end(self, logs=None):
+        if self.where == "after":
+            self.seen.append(self.model.get_weights())
+
+
+def _swap_run(swap):
+    model = make_model()
+    before, after, recorder = SwapProbe("before"), SwapProbe("after"), Recorder()
+    history = fit(model, [before, swap, after, recorder], epochs=3, validation_data=(X_VAL, Y_VAL))
+    return before.seen, after.seen, history, recorder
+
+
+def test_keras_swap_ema_weights_changes_the_raw_weights_in_the_last_bits():
+    """Why `EMAValidation` exists: Keras swaps by `a + b`, `a - b` on TensorFlow."""
+    before, after, _, _ = _swap_run(keras.callbacks.SwapEMAWeights())
+    assert any(
+        not np.array_equal(a, b)
+        for seen_before, seen_after in zip(before, after)
+        for a, b in zip(seen_before, seen_after)
+    )
+
+
+def test_ema_validation_evaluates_validation_data_on_the_ema_and_restores_exactly():
+    before, after, history, recorder = _swap_run(EMAValidation())
+    for seen_before, seen_after in zip(before, after, strict=True):
+        assert_bit_equal(seen_before, seen_after)
+    averages = hand_ema(recorder.trainable)
+    for epoch, step in enumerate([8, 16, 24]):
+        expected = evaluate_with(recorder.weights[step], averages[step])
+        assert history["val_loss"][epoch] == pytest.approx(expected["loss"], rel=1e-5)
+    # Training itself is the run without any validation, bit for bit.
+    plain = Recorder()
+    fit(make_model(), [plain], epochs=3)
+    for step in plain.weights:
+        assert_bit_equal(plain.weights[step], recorder.weights[step])
+
+
+# --- bad input ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "callback",
+    [
+        lambda: PeriodicValidation((X_VAL, Y_VAL), every_n_steps=2, ema=True),
+        lambda: EMAValidation(),
+    ],
+    ids=["PeriodicValidation", "EMAValidation"],
+)
+def test_ema_without_use_ema_is_refused_before_the_first_step(callback):
+    model = make_model(use_ema=False)
+    with pytest.raises(ValueError, match=r"needs an optimizer with `use_ema=True`.*use_ema=False"):
+        fit(model, [callback()])
+    assert int(model.optimizer.iterations) == 0
+
+
+def test_ema_functions_refuse_an_optimizer_without_use_ema():
+    with pytest.raises(ValueError, match=r"`use_ema_warmup` needs .*Received: optimizer=SGD"):
+        use_ema_warmup(keras.optimizers.SGD())
+    model = make_model(use_ema=False)
+    fit(model, [])
+    with (
+        pytest.raises(ValueError, match=r"`ema_weights` needs .*use_ema=False"),
+        ema_weights(model),
+    ):
+        pass
+    fresh = make_model()
+    with pytest.raises(ValueError, match=r"at least one optimizer update.*iterations=0"):
+        with ema_weights(fresh):
+            pass
+    with pytest.raises(ValueError, match=r"`ema` must be a bool\. Received: ema='yes'"):
+        PeriodicValidation((X_VAL, Y_VAL), every_n_steps=2, ema="yes")
+
+
+# --- warmup-corrected decay ------------------------------------------------------------------
+
+
+def test_warmup_decay_equals_a_hand_written_ema_loop():
+    model = make_model(momentum=0.99)
+    use_ema_warmup(model.optimizer)
+    validation = PeriodicValidation((X_VAL, Y_VAL), every_n_steps=4, ema=True)
+    recorder = Recorder()
+    fit(model, [validation, recorder], epochs=2)
+    warm = hand_ema(recorder.trainable, momentum=0.99, warmup=True)
+    plain = hand_ema(recorder.trainable, momentum=0.99)
+    for entry in validation.history:
+        step = entry["step"]
+        expected = evaluate_with(recorder.weights[step], warm[step])
+        assert entry["val_loss"] == pytest.approx(expected["loss"], rel=1e-5)
+    # After 16 updates the warm average is mostly recent weights, Keras' mostly the first.
+    averages = [v.numpy() for _, v in kf._keras_internals.ema_pairs(model.optimizer)]
+    for average, expected, keras_rule in zip(averages, warm[16], plain[16]):
+        np.testing.assert_allclose(average, expected, rtol=1e-5, atol=1e-6)
+        assert not np.allclose(average, keras_rule, rtol=1e-3)
+
+
+# --- saved and resumed ---------------------------------------------------------------------------
+
+
+def _averages(model):
+    return [v.numpy() for v in model.optimizer.variables if "average" in v.path]
+
+
+def test_ema_variables_survive_save_and_load(tmp_path):
+    model = make_model(kf.OptimizedModel)
+    fit(model, [])
+    model.save(tmp_path / "m.keras")
+    loaded = keras.saving.load_model(tmp_path / "m.keras")
+    assert len(_averages(model)) == 2
+    assert_bit_equal(_averages(model), _averages(loaded))
+    assert loaded.optimizer.use_ema and loaded.optimizer.ema_momentum == MOMENTUM
+
+
+def test_backup_and_restore_resumes_the_ema_bit_for_bit(tmp_path):
+    straight = make_model(kf.OptimizedModel)
+    use_ema_warmup(straight.optimizer)
+    straight_validation = PeriodicValidation((X_VAL, Y_VAL), every_n_steps=4, ema=True)
+    fit(straight, [straight_validation], epochs=2)
+
+    first = make_model(kf.OptimizedModel)
+    use_ema_warmup(first.optimizer)
+    backup = keras.callbacks.BackupAndRestore(str(tmp_path), delete_checkpoint=False)
+    fit(first, [backup], epochs=1)
+    resumed = make_model(kf.OptimizedModel)
+    use_ema_warmup(resumed.optimizer)
+    validation = PeriodicValidation((X_VAL, Y_VAL), every_n_steps=4, ema=True)
+    backup = keras.callbacks.BackupAndRestore(str(tmp_path))
+    fit(resumed, [backup, validation], epochs=2)
+
+    assert int(resumed.optimizer.iterations) == 16
+    assert_bit_equal(_averages(straight), _averages(resumed))
+    assert [entry["step"] for entry in validation.history] == [12, 16]
+    assert validation.history == straight_validation.history[2:]
+
+
+# --- replicas --------------------------------------------------------------------------------
+
+
+@pytest.mark.distributed
+def test_two_replicas_evaluate_the_ema_and_keep_the_raw_weights():
+    strategy = two_replica_strategy()
+
+    def run(callbacks):
+        with strategy.scope():
+            model = make_model()
+        recorder = Recorder()
+        fit(model, [*callbacks, recorder])
+        return recorder
+
+    plain = run([])
+    validation = PeriodicValidation(
+        {"a": (X_VAL, Y_VAL), "b": (X_VAL[:8], Y_VAL[:8])}, every_n_steps=3, ema=True
+    )
+    recorder = run([validation])
+    for step in plain.weights:
+        assert_bit_equal(plain.weights[step], recorder.weights[step])
+    averages = hand_ema(recorder.trainable)
+    for entry in validation.history:
+        expected = evaluate_with(recorder.weights[entry["step"]], averages[entry["step"]])
+        assert entry["val_a_loss"] == pytest.approx(expected["loss"], rel=1e-5)
