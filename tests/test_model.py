@@ -255,7 +255,6 @@ def test_step_state_is_not_in_model_weights_but_is_saved(tmp_path):
     assert int(other.skipped_steps.numpy()) == 7
 
 
-
 def test_model_keeps_two_attributes_beyond_keras_model_during_fit():
     """Beside what keras.Model holds, the model keeps its step and the step's state (which
     Keras' saving walks), at compile and during `fit` (with features and "auto" on)."""
@@ -277,6 +276,7 @@ def test_model_keeps_two_attributes_beyond_keras_model_during_fit():
         after.append(set(vars(model)))
     assert during[1] - during[0] == {"_fastloop_step", "_fastloop_state"}
     assert after[1] - after[0] == {"_fastloop_step", "_fastloop_state"}
+
 
 # ============================ the step's semantics: sample and class weights, reductions, loss scaling
 

@@ -613,20 +613,32 @@ def test_stock_callbacks_act_on_one_named_set(tmp_path):
 
 
 def test_one_set_keeps_the_val_keys_and_fit_validation_data_keeps_its_meaning():
+    """Both log `val_loss`: the epoch logs keep fit's (on its own data), said once."""
     model = linear_model()
-    validation = PeriodicValidation((X_VAL, Y_VAL), every_n_steps=4)
-    history = model.fit(
-        X,
-        Y,
-        batch_size=8,
-        epochs=1,
-        verbose=0,
-        validation_data=(X_VAL, Y_VAL),
-        callbacks=[validation],
-    )
+    validation = PeriodicValidation((X_VAL, Y_VAL), every_n_steps=4, validate_at_end=True)
+    with pytest.warns(kf.FastloopWarning, match=r"already logs \['val_loss', 'val_mae'\]"):
+        history = model.fit(
+            X,
+            Y,
+            batch_size=8,
+            epochs=2,
+            verbose=0,
+            validation_data=(X[:16], Y[:16]),
+            callbacks=[validation],
+        )
     assert set(validation.history[0]) == {"step", "epoch", "val_loss", "val_mae"}
-    reference = model.evaluate(X_VAL, Y_VAL, verbose=0, return_dict=True)
-    assert history.history["val_loss"] == [pytest.approx(reference["loss"], rel=1e-6)]
+    fits = model.evaluate(X[:16], Y[:16], verbose=0, return_dict=True)
+    ours = model.evaluate(X_VAL, Y_VAL, verbose=0, return_dict=True)
+    assert history.history["val_loss"][-1] == pytest.approx(fits["loss"], rel=1e-6)
+    assert validation.history[-1]["val_loss"] == pytest.approx(ours["loss"], rel=1e-6)
+
+
+def test_a_key_of_the_training_logs_is_refused_before_it_is_overwritten():
+    model = linear_model(metrics=(keras.metrics.MeanAbsoluteError(name="val_loss"),))
+    validation = PeriodicValidation((X_VAL, Y_VAL), every_n_steps=4)
+    with pytest.raises(ValueError, match=r"differ from the training logs' keys.*\['val_loss'\]"):
+        model.fit(X, Y, batch_size=8, epochs=1, verbose=0, callbacks=[validation])
+    assert validation.history == []
 
 
 class EmptyPyDataset(keras.utils.PyDataset):

@@ -30,6 +30,7 @@ import keras
 
 from keras_fastloop import _validation
 from keras_fastloop.callbacks import _validation_sets as sets_module
+from keras_fastloop.callbacks._log_keys import LogKeys
 from keras_fastloop.callbacks.ema import check_ema_model, ema_weights
 
 if TYPE_CHECKING:
@@ -203,6 +204,7 @@ class PeriodicValidation(keras.callbacks.Callback):
         self._epoch_val_logs = None
         self._backup = None  # per-validation states, written to backup_dir
         self._restore_pending = False
+        self._log_keys = LogKeys()
 
     # -- Keras plumbing, forwarded to the driven callbacks ---------------------------------
 
@@ -217,6 +219,7 @@ class PeriodicValidation(keras.callbacks.Callback):
             callback.set_params(params)
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
+        self._log_keys.begin(self.model)
         self._check_validation_batched()
         self._check_targets()
         if self.ema:
@@ -250,6 +253,8 @@ class PeriodicValidation(keras.callbacks.Callback):
         self._epoch_val_logs = None
 
     def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        if logs is not None:
+            self._log_keys.see_batch(self.model, logs)
         if self.every_n_steps is None:
             return
         step = self._current_step()
@@ -257,7 +262,7 @@ class PeriodicValidation(keras.callbacks.Callback):
         if step // n > self.last_validated_step // n:
             val_logs = self._validate(step, logs)
             if logs is not None:
-                logs.update(val_logs)
+                self._log_keys.write(self.model, logs, val_logs)
 
     def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         due = self.every_n_epochs is not None and (epoch + 1) % self.every_n_epochs == 0
@@ -270,7 +275,7 @@ class PeriodicValidation(keras.callbacks.Callback):
         if due:
             self._validate(step, logs)
         if self._epoch_val_logs is not None and logs is not None:
-            logs.update(self._epoch_val_logs)
+            self._log_keys.write(self.model, logs, self._epoch_val_logs)
 
     # -- validation -------------------------------------------------------------------------
 
@@ -355,6 +360,7 @@ class PeriodicValidation(keras.callbacks.Callback):
 
     def _validate(self, step, train_logs):
         val_logs = self._evaluate()
+        self._log_keys.check(val_logs, self._sets)
         self.last_validated_step = step
         self.history.append({"step": step, "epoch": self._epoch, **val_logs})
         self._epoch_val_logs = val_logs
