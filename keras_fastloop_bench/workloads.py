@@ -44,9 +44,22 @@ class Workload:
     learning_rate: float
 
 
-def fit_contender(w, model_cls=keras.Model, compile_kwargs=None, train=None, val=None):
+def fit_contender(
+    w,
+    model_cls=keras.Model,
+    compile_kwargs=None,
+    train=None,
+    val=None,
+    optimizer_kwargs=None,
+    make_callbacks=None,
+):
     """Trains `w.build(model_cls)` with `fit` on `train()` (default `w.train`), validating on
-    `val()` (default `w.val`) after every epoch, under the current global dtype policy."""
+    `val()` (default `w.val`) after every epoch, under the current global dtype policy.
+
+    `optimizer_kwargs` (dict, default none) go to `keras.optimizers.Adam` beside the workload's
+    learning rate. `make_callbacks` (`() -> list`, default none) is called once per run; its
+    callbacks run before the epoch timer, so their `on_train_batch_end` time (a mid-epoch
+    validation) counts as training time."""
     train = train or w.train
     val = val or w.val
 
@@ -54,7 +67,7 @@ def fit_contender(w, model_cls=keras.Model, compile_kwargs=None, train=None, val
         model = w.build(model_cls)
         model.set_weights(run.initial_weights)
         model.compile(
-            keras.optimizers.Adam(w.learning_rate),
+            keras.optimizers.Adam(w.learning_rate, **(optimizer_kwargs or {})),
             "sparse_categorical_crossentropy",
             metrics=["accuracy"],
             **(compile_kwargs or {}),
@@ -63,7 +76,10 @@ def fit_contender(w, model_cls=keras.Model, compile_kwargs=None, train=None, val
             train(),
             epochs=run.epochs,
             validation_data=val(),
-            callbacks=[harness.EpochTimer(run, w.samples)],
+            callbacks=[
+                *(make_callbacks() if make_callbacks else []),
+                harness.EpochTimer(run, w.samples),
+            ],
             verbose=0,
             shuffle=False,  # tf.data pipelines: they order their own batches
         )
