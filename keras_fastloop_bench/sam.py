@@ -46,14 +46,14 @@ def _validating_contender(w, every_n_steps, ema):
     validations in `run.extra["validations"]`."""
     made = []
 
-    def make_callbacks():
+    def make_callback():
         # Named, so its `val_periodic_*` keys sit beside fit's per-epoch `val_*` ones.
         sets = {"periodic": w.val()}
         made.append(PeriodicValidation(sets, every_n_steps=every_n_steps, ema=ema))
-        return made[-1:]
+        return made[-1]
 
     train = workloads.fit_contender(
-        w, OptimizedModel, optimizer_kwargs=_USE_EMA, make_callbacks=make_callbacks
+        w, OptimizedModel, optimizer_kwargs=_USE_EMA, callbacks=[make_callback]
     )
 
     def run_it(run):

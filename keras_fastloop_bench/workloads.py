@@ -51,15 +51,15 @@ def fit_contender(
     train=None,
     val=None,
     optimizer_kwargs=None,
-    make_callbacks=None,
+    callbacks=(),
 ):
     """Trains `w.build(model_cls)` with `fit` on `train()` (default `w.train`), validating on
     `val()` (default `w.val`) after every epoch, under the current global dtype policy.
 
     `optimizer_kwargs` (dict, default none) go to `keras.optimizers.Adam` beside the workload's
-    learning rate. `make_callbacks` (`() -> list`, default none) is called once per run; its
-    callbacks run before the epoch timer, so their `on_train_batch_end` time (a mid-epoch
-    validation) counts as training time."""
+    learning rate. `callbacks` (zero-argument callables, each returning a callback; default none)
+    are called once per run, as `default.fit_contender`'s; their callbacks run before the epoch
+    timer, so their `on_train_batch_end` time (a mid-epoch validation) counts as training time."""
     train = train or w.train
     val = val or w.val
 
@@ -77,7 +77,7 @@ def fit_contender(
             epochs=run.epochs,
             validation_data=val(),
             callbacks=[
-                *(make_callbacks() if make_callbacks else []),
+                *(make() for make in callbacks),
                 harness.EpochTimer(run, w.samples),
             ],
             verbose=0,
