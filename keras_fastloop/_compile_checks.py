@@ -208,27 +208,41 @@ def check_sam_compatible(class_name, overrides_train_step, weighting, sam_rho):
         )
 
 
-def check_overwritten_variables(model, weighting, loss_weighting):
-    """Refuse a gradient-based loss weighting on a model with overwritten variables (in
-    `compile()`): its per-task gradients would combine their values as gradients.
+def check_overwritten_variables(model, optimizer, weighting, loss_weighting):
+    """Refuse what cannot train a model with overwritten variables (float8 scales and amax
+    histories, `overwrite_with_gradient=True`) in `compile()`: a gradient-based loss
+    weighting would combine their values as per-task gradients, and an optimizer with
+    `use_ema=True` keeps no average for them (Keras' `fit` then fails at its end).
 
     Raises:
-        ValueError: `weighting.requires_task_gradients` and the built model has a trainable
-            variable with `overwrite_with_gradient=True`.
+        ValueError: the built model has such a variable and `weighting` needs per-task
+            gradients or the optimizer (or a `LossScaleOptimizer`'s inner one) has
+            `use_ema=True`.
     """
-    if not weighting.requires_task_gradients or not model.built:
+    if not model.built:
         return
     paths = [
         v.path for v in model.trainable_variables if getattr(v, "overwrite_with_gradient", False)
     ]
-    if paths:
+    if not paths:
+        return
+    received = f"variables={paths[:3]}" + (" ..." if len(paths) > 3 else "")
+    if weighting.requires_task_gradients:
         raise ValueError(
             f"Loss weighting '{weighting.name}' combines per-task gradients, and this model "
             "has variables the optimizer overwrites with their gradient (float8 scales and "
             "amax histories, `model.quantize('float8')`), which are not gradients. Use static "
             "`loss_weights` or a loss-based method (`uw`, `dwa`, `rlw`, `famo`). "
-            f"Received: loss_weighting={loss_weighting!r}, variables={paths[:3]}"
-            + (" ..." if len(paths) > 3 else "")
+            f"Received: loss_weighting={loss_weighting!r}, {received}"
+        )
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    if getattr(inner, "use_ema", False):
+        raise ValueError(
+            "An optimizer with `use_ema=True` cannot train a model with float8 layers: Keras "
+            "keeps no moving average for their scales and amax histories, and `fit` fails "
+            "at its end when it copies the averages into the model (keras.Model too). "
+            "Compile with `use_ema=False`, or quantize after training. "
+            f"Received: optimizer={type(inner).__name__}(use_ema=True), {received}"
         )
 
 

@@ -258,7 +258,7 @@ def validate_compile_arguments(
             f"`nonfinite` must be one of {NONFINITE_POLICIES}. Received: nonfinite={nonfinite!r}"
         )
     micro_batch_size = checks.validate_micro_batch_size(micro_batch_size)
-    checks.check_overwritten_variables(model, weighting, loss_weighting)
+    checks.check_overwritten_variables(model, optimizer, weighting, loss_weighting)
     if micro_batch_size and weighting.requires_task_gradients:
         raise ValueError(
             "Gradient-based loss weighting cannot be combined with `micro_batch_size` "

@@ -212,3 +212,14 @@ def test_sam_perturbs_only_ordinary_variables():
     _assert_same_weights(model, reference)
     plain, _ = _train(kf.OptimizedModel)
     assert not np.allclose(model.get_layer("h").kernel.numpy(), plain.get_layer("h").kernel.numpy())
+
+
+def test_use_ema_is_refused_at_compile():
+    """Keras keeps no average for the scales and amax histories and `fit` fails at its end,
+    after training (keras.Model too): refused before training, the model left uncompiled."""
+    model = _model(kf.OptimizedModel)
+    optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1, use_ema=True))
+    with pytest.raises(ValueError, match=r"use_ema=True.*Received: optimizer=SGD\(use_ema=True\)"):
+        model.compile(optimizer, "mse")
+    assert not model.compiled
+    model.compile(keras.optimizers.SGD(0.1), "mse")  # without the average: accepted

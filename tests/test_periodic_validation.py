@@ -660,6 +660,7 @@ class EmptyPyDataset(keras.utils.PyDataset):
         ((X_VAL[:0], Y_VAL[:0]), "at least one sample"),
         (tf.data.Dataset.from_tensor_slices((X_VAL, Y_VAL)).take(0).batch(2), "at least one"),
         (EmptyPyDataset(), r"at least one sample.*\(EmptyPyDataset\)"),
+        ({"easy": (X_VAL, Y_VAL), "hard": X_VAL}, r"\['hard'\] are not.*Received: validation"),
         ({"easy": (X_VAL, Y_VAL), "hard": EmptyPyDataset()}, "at least one sample"),
     ],
 )

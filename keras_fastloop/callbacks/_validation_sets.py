@@ -14,20 +14,35 @@ def named_sets(validation_data):
     """`{name: data}` when `validation_data` is a dict of named validation sets, else `None`.
 
     A dict whose values are all data sets (a `tf.data.Dataset`, a `keras.utils.PyDataset` or
-    an `(x, y[, sample_weight])` tuple) names sets; any other dict is one set's inputs by
-    name, as `evaluate` reads it.
+    an `(x, y[, sample_weight])` tuple or list) names sets; a dict of none is one set's
+    inputs by name, as `evaluate` reads it.
 
     Raises:
-        ValueError: an empty dict, or a set name that is not a non-empty string of letters,
-            digits and underscores (it becomes part of the log keys, `val_{name}_loss`).
+        ValueError: an empty dict, a dict mixing sets with other values, or a set name that
+            is not a non-empty string of letters, digits and underscores (it becomes part of
+            the log keys, `val_{name}_loss`).
     """
     import tensorflow as tf
 
     if not isinstance(validation_data, Mapping):
         return None
-    kinds = (tf.data.Dataset, keras.utils.PyDataset, tuple)
-    if validation_data and not all(isinstance(v, kinds) for v in validation_data.values()):
-        return None
+
+    def is_set(value):
+        if isinstance(value, list):
+            return len(value) in (2, 3)
+        return isinstance(value, (tf.data.Dataset, keras.utils.PyDataset, tuple))
+
+    sets = [name for name, value in validation_data.items() if is_set(value)]
+    if not sets:
+        if validation_data:
+            return None
+    elif len(sets) < len(validation_data):
+        others = [name for name in validation_data if name not in sets]
+        raise ValueError(
+            "Named validation sets must each be a dataset or an `(x, y[, sample_weight])` "
+            f"tuple; {others} are not (or, as one set's inputs by name, {sets} are not "
+            f"arrays). Received: validation_data with keys {list(validation_data)}"
+        )
     if not validation_data:
         raise ValueError(
             "`validation_data` must hold at least one validation set. Received: validation_data={}"
@@ -39,7 +54,7 @@ def named_sets(validation_data):
                 "digits and underscores (its results are logged as `val_{name}_loss`, ...). "
                 f"Received: {name!r} in validation_data's keys {list(validation_data)}"
             )
-    return dict(validation_data)
+    return {name: tuple(v) if isinstance(v, list) else v for name, v in validation_data.items()}
 
 
 def check_monitor_modes(named, callbacks):

@@ -316,8 +316,7 @@ class PeriodicValidation(keras.callbacks.Callback):
         return int(keras.ops.convert_to_numpy(self.model.optimizer.iterations))
 
     def _evaluate(self):
-        """Runs `model.evaluate` on each set and leaves the model's metric state (and, with
-        `ema`, its weights) as it found it.
+        """Runs `model.evaluate` on each set and leaves the model's metric state as it found it.
 
         Returns:
             Dict of the logged results: `{"val_loss": ...}` for one set, `{"val_easy_loss":
@@ -325,40 +324,49 @@ class PeriodicValidation(keras.callbacks.Callback):
 
         Raises:
             ValueError: two sets' results would share a key (e.g. sets `"a"` and `"a_b"` with
-                a metric `"b_loss"`), before anything is logged.
+                a metric `"b_loss"`), or a set yielded no batch, before anything is logged.
         """
         variables = list(self.model.metrics_variables)
         saved = [keras.ops.convert_to_numpy(variable) for variable in variables]
         logs, origin = {}, {}
-        weights = ema_weights(self.model) if self.ema else contextlib.nullcontext()
         try:
-            with weights:
-                for name, (x, y, sample_weight) in self._sets.items():
-                    results = self.model.evaluate(
-                        x=x,
-                        y=y,
-                        sample_weight=sample_weight,
-                        batch_size=self.batch_size,
-                        steps=self.validation_steps,
-                        verbose=0,
-                        return_dict=True,
+            for name, (x, y, sample_weight) in self._sets.items():
+                results = self.model.evaluate(
+                    x=x,
+                    y=y,
+                    sample_weight=sample_weight,
+                    batch_size=self.batch_size,
+                    steps=self.validation_steps,
+                    verbose=0,
+                    return_dict=True,
+                )
+                if not results:  # a dataset of unknown length that yielded no batch
+                    raise ValueError(
+                        "Each validation set must yield at least one batch; the set "
+                        f"{name!r} yielded none. Received: sets {list(self._sets)}"
                     )
-                    prefix = "val_" if name is None else f"val_{name}_"
-                    for metric, value in results.items():
-                        key = prefix + metric
-                        if key in logs:
-                            raise ValueError(
-                                "Each validation set's results need their own keys: "
-                                f"{key!r} comes from the sets {origin[key]!r} and {name!r}. "
-                                f"Rename a set. Received: sets {list(self._sets)}"
-                            )
-                        logs[key], origin[key] = float(value), name
+                prefix = "val_" if name is None else f"val_{name}_"
+                for metric, value in results.items():
+                    key = prefix + metric
+                    if key in logs:
+                        raise ValueError(
+                            "Each validation set's results need their own keys: "
+                            f"{key!r} comes from the sets {origin[key]!r} and {name!r}. "
+                            f"Rename a set. Received: sets {list(self._sets)}"
+                        )
+                    logs[key], origin[key] = float(value), name
         finally:
             for variable, value in zip(variables, saved):
                 variable.assign(value)
         return logs
 
     def _validate(self, step, train_logs):
+        # With `ema`, the driven callbacks also see the EMA weights that were scored (a best
+        # checkpoint holds them, as with Keras' SwapEMAWeights); the raw ones come back after.
+        with ema_weights(self.model) if self.ema else contextlib.nullcontext():
+            return self._validate_weights(step, train_logs)
+
+    def _validate_weights(self, step, train_logs):
         val_logs = self._evaluate()
         self._log_keys.check(val_logs, self._sets)
         self.last_validated_step = step
