@@ -322,7 +322,9 @@ def test_two_replicas_evaluate_the_ema_and_keep_the_raw_weights():
 def _trained(model, callbacks=(), x=X, y=Y, **kwargs):
     """Raw trainable weights by step (`Recorder`), after `fit(x, y)` of 1 epoch of batch 8."""
     recorder = Recorder()
-    model.fit(x, y, batch_size=8, shuffle=False, verbose=0, callbacks=[*callbacks, recorder], **kwargs)
+    model.fit(
+        x, y, batch_size=8, shuffle=False, verbose=0, callbacks=[*callbacks, recorder], **kwargs
+    )
     return recorder
 
 
@@ -380,3 +382,63 @@ def test_a_skipped_step_moves_neither_the_weights_the_average_nor_the_warmup(ste
         np.testing.assert_allclose(average, hand, rtol=1e-5, atol=1e-6)
     assert [entry["step"] for entry in validation.history] == [3, 6]
     assert validation.history == reference_validation.history
+
+
+def _mixed_model(cls, optimizer, **compile_kw):
+    keras.config.set_dtype_policy("mixed_float16")
+    keras.utils.set_random_seed(2)
+    inputs = keras.Input((3,))
+    hidden = keras.layers.Dense(4)(inputs)
+    outputs = keras.layers.Dense(2, dtype="float32")(hidden)
+    model = cls(inputs, outputs)
+    model.compile(optimizer=optimizer, loss="mse", **compile_kw)
+    return model
+
+
+@EXPECT_SKIP_WARNINGS[1]  # the first step overflows the initial scale 2**15 (Keras' too)
+@pytest.mark.parametrize("warmup", [False, True], ids=["keras_decay", "warmup"])
+@pytest.mark.parametrize("wrapped_by", ["compile", "user"])
+def test_clipping_and_loss_scaling_keep_the_inner_optimizers_ema(wrapped_by, warmup):
+    """Under mixed_float16 the `LossScaleOptimizer`'s inner optimizer keeps the average."""
+
+    def sgd(**kwargs):
+        optimizer = keras.optimizers.SGD(0.05, use_ema=True, ema_momentum=MOMENTUM, **kwargs)
+        if wrapped_by == "user":
+            return keras.optimizers.LossScaleOptimizer(optimizer)
+        return optimizer
+
+    # Keras clips the unscaled gradient in the inner optimizer: with one replica, the same.
+    reference = _mixed_model(keras.Model, sgd(global_clipnorm=0.1))
+    model = _mixed_model(kf.OptimizedModel, sgd(), gradient_clipping=0.1)
+    if warmup:  # given the LossScaleOptimizer: it reaches the inner one
+        use_ema_warmup(reference.optimizer)
+        use_ema_warmup(model.optimizer)
+    reference_steps = _trained(reference)
+    validation = PeriodicValidation((X_VAL, Y_VAL), every_n_steps=4, ema=True)
+    steps = _trained(model, [validation])
+
+    optimizer = model.optimizer
+    assert isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+    assert optimizer.inner_optimizer.use_ema and not optimizer.use_ema
+    updates = int(optimizer.inner_optimizer.iterations)
+    assert int(optimizer.iterations) == int(reference.optimizer.iterations) == updates
+    assert int(model.skipped_steps) == 8 - updates > 0  # an overflow: no update, no average
+    initial = _mixed_model(keras.Model, "sgd").get_weights()
+    first_update = np.sqrt(sum(np.sum((w - w0) ** 2) for w, w0 in zip(steps.trainable[1], initial)))
+    assert first_update == pytest.approx(0.05 * 0.1, rel=1e-4)  # the clipping acted
+    averages = hand_ema(steps.trainable, warmup=warmup)
+    for ours, keras_average, hand in zip(
+        _inner_averages(model), _inner_averages(reference), averages[updates], strict=True
+    ):
+        np.testing.assert_allclose(ours, keras_average, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(ours, hand, rtol=1e-5, atol=1e-6)
+    last, reference_last = steps.trainable[updates], reference_steps.trainable[updates]
+    for ours, keras_weights in zip(last, reference_last, strict=True):
+        np.testing.assert_allclose(ours, keras_weights, rtol=1e-5, atol=1e-6)
+    entry = validation.history[0]
+    assert entry["step"] == 4
+    fresh = _mixed_model(keras.Model, "sgd")
+    for variable, value in zip(fresh.trainable_weights, averages[4]):
+        variable.assign(value.astype("float32"))
+    expected = fresh.evaluate(X_VAL, Y_VAL, verbose=0, return_dict=True)
+    assert entry["val_loss"] == pytest.approx(expected["loss"], rel=1e-5)
