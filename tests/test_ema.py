@@ -5,7 +5,7 @@ bit for bit; saved and resumed; warmup-corrected decay."""
 import keras
 import numpy as np
 import pytest
-from _helpers import two_replica_strategy
+from _helpers import EXPECT_SKIP_WARNINGS, two_replica_strategy
 
 import keras_fastloop as kf
 from keras_fastloop.callbacks import EMAValidation, PeriodicValidation, ema_weights, use_ema_warmup
@@ -314,3 +314,131 @@ def test_two_replicas_evaluate_the_ema_and_keep_the_raw_weights():
     for entry in validation.history:
         expected = evaluate_with(recorder.weights[entry["step"]], averages[entry["step"]])
         assert entry["val_a_loss"] == pytest.approx(expected["loss"], rel=1e-5)
+
+
+# --- with the rest of the step: micro-batching, non-finite skips, loss scaling ---------------
+
+
+def _trained(model, callbacks=(), x=X, y=Y, **kwargs):
+    """Raw trainable weights by step (`Recorder`), after `fit(x, y)` of 1 epoch of batch 8."""
+    recorder = Recorder()
+    model.fit(
+        x, y, batch_size=8, shuffle=False, verbose=0, callbacks=[*callbacks, recorder], **kwargs
+    )
+    return recorder
+
+
+def _inner_averages(model):
+    optimizer = getattr(model.optimizer, "inner_optimizer", model.optimizer)
+    return [keras.ops.convert_to_numpy(a) for _, a in kf._keras_internals.ema_pairs(optimizer)]
+
+
+@pytest.mark.parametrize("warmup", [False, True], ids=["keras_decay", "warmup"])
+def test_micro_batching_updates_the_ema_once_per_step_as_the_full_batch(warmup):
+    def run(cls, **compile_kw):
+        model = make_model(cls, **compile_kw)
+        if warmup:
+            use_ema_warmup(model.optimizer)
+        return model, _trained(model)
+
+    reference, reference_steps = run(keras.Model)
+    model, steps = run(kf.OptimizedModel, micro_batch_size=2)
+    assert int(model.optimizer.iterations) == int(reference.optimizer.iterations) == 8
+    averages = hand_ema(steps.trainable, warmup=warmup)[8]
+    for ours, keras_average, hand in zip(
+        _inner_averages(model), _inner_averages(reference), averages, strict=True
+    ):
+        np.testing.assert_allclose(ours, keras_average, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(ours, hand, rtol=1e-5, atol=1e-6)
+    for ours, keras_weights in zip(steps.trainable[8], reference_steps.trainable[8], strict=True):
+        np.testing.assert_allclose(ours, keras_weights, rtol=1e-5, atol=1e-6)
+    with ema_weights(model):
+        for weight, average in zip(model.trainable_weights, averages):
+            np.testing.assert_allclose(weight.numpy(), average, rtol=1e-5, atol=1e-6)
+
+
+@EXPECT_SKIP_WARNINGS[0]
+@pytest.mark.parametrize("steps_per_execution", [1, "auto"])
+def test_a_skipped_step_moves_neither_the_weights_the_average_nor_the_warmup(steps_per_execution):
+    """A NaN target in batch 3: the run equals the run without that batch."""
+    y_bad = Y.copy()
+    y_bad[26, 1] = np.nan
+    keep = np.r_[0:24, 32:64]
+
+    def run(x, y, **compile_kw):
+        model = make_model(kf.OptimizedModel, momentum=0.99, **compile_kw)
+        use_ema_warmup(model.optimizer)
+        validation = PeriodicValidation((X_VAL, Y_VAL), every_n_steps=3, ema=True)
+        return model, _trained(model, [validation], x, y), validation
+
+    reference, reference_steps, reference_validation = run(X[keep], Y[keep])
+    model, _, validation = run(X, y_bad, nonfinite="skip", steps_per_execution=steps_per_execution)
+    assert int(model.optimizer.iterations) == int(reference.optimizer.iterations) == 7
+    assert_bit_equal(model.get_weights(), reference.get_weights())  # after fit: the EMA
+    assert_bit_equal(_inner_averages(model), _inner_averages(reference))
+    # the reference runs one step per execution: its recorder sees every step
+    warm = hand_ema(reference_steps.trainable, momentum=0.99, warmup=True)[7]
+    for average, hand in zip(_inner_averages(model), warm, strict=True):
+        np.testing.assert_allclose(average, hand, rtol=1e-5, atol=1e-6)
+    assert [entry["step"] for entry in validation.history] == [3, 6]
+    assert validation.history == reference_validation.history
+
+
+def _mixed_model(cls, optimizer, **compile_kw):
+    keras.config.set_dtype_policy("mixed_float16")
+    keras.utils.set_random_seed(2)
+    inputs = keras.Input((3,))
+    hidden = keras.layers.Dense(4)(inputs)
+    outputs = keras.layers.Dense(2, dtype="float32")(hidden)
+    model = cls(inputs, outputs)
+    model.compile(optimizer=optimizer, loss="mse", **compile_kw)
+    return model
+
+
+@EXPECT_SKIP_WARNINGS[1]  # the first step overflows the initial scale 2**15 (Keras' too)
+@pytest.mark.parametrize("warmup", [False, True], ids=["keras_decay", "warmup"])
+@pytest.mark.parametrize("wrapped_by", ["compile", "user"])
+def test_clipping_and_loss_scaling_keep_the_inner_optimizers_ema(wrapped_by, warmup):
+    """Under mixed_float16 the `LossScaleOptimizer`'s inner optimizer keeps the average."""
+
+    def sgd(**kwargs):
+        optimizer = keras.optimizers.SGD(0.05, use_ema=True, ema_momentum=MOMENTUM, **kwargs)
+        if wrapped_by == "user":
+            return keras.optimizers.LossScaleOptimizer(optimizer)
+        return optimizer
+
+    # Keras clips the unscaled gradient in the inner optimizer: with one replica, the same.
+    reference = _mixed_model(keras.Model, sgd(global_clipnorm=0.1))
+    model = _mixed_model(kf.OptimizedModel, sgd(), gradient_clipping=0.1)
+    if warmup:  # given the LossScaleOptimizer: it reaches the inner one
+        use_ema_warmup(reference.optimizer)
+        use_ema_warmup(model.optimizer)
+    reference_steps = _trained(reference)
+    validation = PeriodicValidation((X_VAL, Y_VAL), every_n_steps=4, ema=True)
+    steps = _trained(model, [validation])
+
+    optimizer = model.optimizer
+    assert isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+    assert optimizer.inner_optimizer.use_ema and not optimizer.use_ema
+    updates = int(optimizer.inner_optimizer.iterations)
+    assert int(optimizer.iterations) == int(reference.optimizer.iterations) == updates
+    assert int(model.skipped_steps) == 8 - updates > 0  # an overflow: no update, no average
+    initial = _mixed_model(keras.Model, "sgd").get_weights()
+    first_update = np.sqrt(sum(np.sum((w - w0) ** 2) for w, w0 in zip(steps.trainable[1], initial)))
+    assert first_update == pytest.approx(0.05 * 0.1, rel=1e-4)  # the clipping acted
+    averages = hand_ema(steps.trainable, warmup=warmup)
+    for ours, keras_average, hand in zip(
+        _inner_averages(model), _inner_averages(reference), averages[updates], strict=True
+    ):
+        np.testing.assert_allclose(ours, keras_average, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(ours, hand, rtol=1e-5, atol=1e-6)
+    last, reference_last = steps.trainable[updates], reference_steps.trainable[updates]
+    for ours, keras_weights in zip(last, reference_last, strict=True):
+        np.testing.assert_allclose(ours, keras_weights, rtol=1e-5, atol=1e-6)
+    entry = validation.history[0]
+    assert entry["step"] == 4
+    fresh = _mixed_model(keras.Model, "sgd")
+    for variable, value in zip(fresh.trainable_weights, averages[4]):
+        variable.assign(value.astype("float32"))
+    expected = fresh.evaluate(X_VAL, Y_VAL, verbose=0, return_dict=True)
+    assert entry["val_loss"] == pytest.approx(expected["loss"], rel=1e-5)
