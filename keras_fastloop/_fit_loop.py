@@ -14,6 +14,7 @@ other module wraps `fit` or patches its epoch iterator. Per `fit` call this modu
 from __future__ import annotations
 
 import inspect
+import weakref
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -24,11 +25,15 @@ from keras_fastloop import _fit_callbacks as fit_callbacks
 from keras_fastloop import _resume as resume
 from keras_fastloop._fit_run import FitRun, current_run
 from keras_fastloop._step import prebuild
+from keras_fastloop.callbacks import ema
 from keras_fastloop.tuning import _glue
 
 __all__ = ["INTERNAL_CALLBACKS", "FitRun", "current_run", "fit"]
 
 _FIT_SIGNATURE = inspect.signature(keras.Model.fit)
+
+# Per model: the optimizer's EMA update rule when its train function was made.
+_TRACED_EMA_RULE = weakref.WeakKeyDictionary()
 
 
 class InternalCallback(NamedTuple):
@@ -155,6 +160,11 @@ def maybe_symbolic_build(model, keras_maybe_symbolic_build, iterator=None, data_
 
 def make_train_function(model, keras_make_train_function, force=False):
     """`make_train_function`: the variable-count train function under `"auto"`; the optimizer
-    is built right before the first call (`keras_fastloop._step.prebuild`)."""
+    is built right before the first call (`keras_fastloop._step.prebuild`). A function traced
+    before `use_ema_warmup` changed the optimizer's EMA rule is traced again."""
+    rule = ema.ema_rule(getattr(model, "optimizer", None))
+    if model.train_function is not None and _TRACED_EMA_RULE.get(model) is not rule:
+        force = True
+    _TRACED_EMA_RULE[model] = rule
     _glue.make_train_function(model, keras_make_train_function, force)
     return prebuild.build_optimizer_before_first_call(model, model.train_function)

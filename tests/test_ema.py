@@ -192,6 +192,39 @@ def test_ema_validation_evaluates_validation_data_on_the_ema_and_restores_exactl
         assert_bit_equal(plain.weights[step], recorder.weights[step])
 
 
+class EpochEndProbe(keras.callbacks.Callback):
+    """Trainable weights a callback listed after the swap sees at each epoch's end."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.seen.append([keras.ops.convert_to_numpy(v) for v in self.model.trainable_weights])
+
+
+def test_swap_on_epoch_shows_later_callbacks_the_ema_and_trains_on_the_raw_weights():
+    model, probe, recorder = make_model(), EpochEndProbe(), Recorder()
+    history = fit(
+        model,
+        [EMAValidation(swap_on_epoch=True), probe, recorder],
+        epochs=3,
+        validation_data=(X_VAL, Y_VAL),
+    )
+    averages = hand_ema(recorder.trainable)
+    for seen, step in zip(probe.seen, [8, 16, 24], strict=True):
+        for got, want in zip(seen, averages[step]):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+    # Training and validation: those of EMAValidation() without swap_on_epoch, bit for bit.
+    _, _, reference_history, reference = _swap_run(EMAValidation())
+    assert history == reference_history
+    for step in reference.weights:
+        assert_bit_equal(recorder.weights[step], reference.weights[step])
+    # After fit, the model holds the averages (Keras' finalize_variable_values).
+    for got, want in zip(model.trainable_weights, averages[24]):
+        np.testing.assert_allclose(keras.ops.convert_to_numpy(got), want, rtol=1e-5, atol=1e-7)
+
+
 # --- bad input ---------------------------------------------------------------------------------
 
 

@@ -10,6 +10,7 @@ docs/guide.md, "EMA weights".
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 
 import keras
@@ -17,6 +18,16 @@ import keras
 from keras_fastloop import _keras_internals as internals
 
 __all__ = ["EMAValidation", "ema_weights", "use_ema_warmup"]
+
+# The update rule `use_ema_warmup` installed, per (inner) optimizer: a train function traced
+# before the call keeps the old rule, so `OptimizedModel` retraces when this changes.
+_RULES = weakref.WeakKeyDictionary()
+
+
+def ema_rule(optimizer):
+    """The EMA update `use_ema_warmup` gave `optimizer` (or its inner one), else `None`."""
+    inner = getattr(optimizer, "inner_optimizer", None)
+    return _RULES.get(inner if inner is not None else optimizer)
 
 
 def _ema_optimizer(optimizer, what):
@@ -38,6 +49,26 @@ def check_ema_model(model, what):
         ValueError: if the model has no optimizer with `use_ema=True`.
     """
     return _ema_optimizer(getattr(model, "optimizer", None), what)
+
+
+class _Swap:
+    """The optimizer's EMA weights in the model; `restore()` puts the raw ones back exactly."""
+
+    def __init__(self, model, what):
+        optimizer = check_ema_model(model, what)
+        if not optimizer.built or int(keras.ops.convert_to_numpy(optimizer.iterations)) == 0:
+            raise ValueError(
+                f"{what} needs at least one optimizer update (the moving averages start at "
+                "the first one). Received: optimizer.iterations=0"
+            )
+        self._pairs = internals.ema_pairs(optimizer)
+        self._raw = [keras.ops.convert_to_numpy(variable) for variable, _ in self._pairs]
+        for variable, average in self._pairs:
+            variable.assign(average)
+
+    def restore(self):
+        for (variable, _), value in zip(self._pairs, self._raw):
+            variable.assign(value)
 
 
 @contextlib.contextmanager
@@ -63,21 +94,11 @@ def ema_weights(model: keras.Model) -> Iterator[None]:
         model.evaluate(test_ds)  # EMA weights
     ```
     """
-    optimizer = check_ema_model(model, "`ema_weights`")
-    if not optimizer.built or int(keras.ops.convert_to_numpy(optimizer.iterations)) == 0:
-        raise ValueError(
-            "`ema_weights` needs at least one optimizer update (the moving averages start at "
-            "the first one). Received: optimizer.iterations=0"
-        )
-    pairs = internals.ema_pairs(optimizer)
-    raw = [keras.ops.convert_to_numpy(variable) for variable, _ in pairs]
+    swap = _Swap(model, "`ema_weights`")
     try:
-        for variable, average in pairs:
-            variable.assign(average)
         yield
     finally:
-        for (variable, _), value in zip(pairs, raw):
-            variable.assign(value)
+        swap.restore()
 
 
 class EMAValidation(keras.callbacks.Callback):
@@ -88,6 +109,12 @@ class EMAValidation(keras.callbacks.Callback):
     instead: its mid-epoch evaluations do not call `fit`'s callbacks. After `fit` the model
     holds the EMA weights (Keras' `finalize_variable_values`).
 
+    Args:
+        swap_on_epoch: bool, also hold the EMA weights from `on_epoch_end` to the next
+            `on_epoch_begin`, so that callbacks listed after this one (`ModelCheckpoint`,
+            `EarlyStopping(restore_best_weights=True)`) see the weights that were scored, as
+            with Keras' `SwapEMAWeights(swap_on_epoch=True)`. Defaults to `False`.
+
     Raises:
         ValueError: At the start of `fit` (or of `evaluate`), if the optimizer does not have
             `use_ema=True`.
@@ -96,29 +123,49 @@ class EMAValidation(keras.callbacks.Callback):
 
     ```python
     model.compile(keras.optimizers.AdamW(use_ema=True, ema_momentum=0.999), "mse")
-    model.fit(train_ds, validation_data=val_ds, callbacks=[kf.callbacks.EMAValidation()])
+    checkpoint = keras.callbacks.ModelCheckpoint("best.keras", save_best_only=True)
+    model.fit(
+        train_ds,
+        validation_data=val_ds,
+        callbacks=[kf.callbacks.EMAValidation(swap_on_epoch=True), checkpoint],
+    )
     ```
     """
 
-    def __init__(self) -> None:
+    def __init__(self, swap_on_epoch: bool = False) -> None:
         super().__init__()
-        self._swapped = None
+        self.swap_on_epoch = bool(swap_on_epoch)
+        self._swap = None
+
+    def _swap_in(self):
+        if self._swap is None:
+            self._swap = _Swap(self.model, "`EMAValidation`")
+
+    def _restore(self):
+        if self._swap is not None:
+            swap, self._swap = self._swap, None
+            swap.restore()
 
     def on_train_begin(self, logs=None):
         check_ema_model(self.model, "`EMAValidation`")
 
     def on_test_begin(self, logs=None):
-        if self._swapped is None:
-            self._swapped = contextlib.ExitStack()
-            self._swapped.enter_context(ema_weights(self.model))
+        self._swap_in()
 
     def on_test_end(self, logs=None):
-        if self._swapped is not None:
-            swapped, self._swapped = self._swapped, None
-            swapped.close()
+        self._restore()
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._restore()
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self.swap_on_epoch:
+            self._swap_in()
 
     def on_train_end(self, logs=None):
-        self.on_test_end()
+        # Keras' `finalize_variable_values` has put the averages into the model before
+        # `on_train_end`: the model already holds what it should keep.
+        self._swap = None
 
 
 def use_ema_warmup(optimizer: keras.optimizers.Optimizer) -> keras.optimizers.Optimizer:
@@ -130,10 +177,11 @@ def use_ema_warmup(optimizer: keras.optimizers.Optimizer) -> keras.optimizers.Op
     mostly the initial weights after a few hundred steps. With gradient accumulation Keras
     updates the average at every micro-batch, and `t` counts micro-batches.
 
-    The rule lives on this optimizer object, not in its config: call it before the first
-    `fit` (before the train function is traced) and again on the optimizer of a model from
-    `keras.saving.load_model` or before resuming; the averages and `iterations` themselves are
-    optimizer variables and are saved and restored.
+    The rule lives on this optimizer object, not in its config: call it again on the optimizer
+    of a model from `keras.saving.load_model` or before resuming; the averages and `iterations`
+    themselves are optimizer variables and are saved and restored. An `OptimizedModel` whose
+    train function was traced before the call retraces it at the next `fit`; a `keras.Model`
+    keeps the traced rule: call it before its first `fit`.
 
     Args:
         optimizer: A `keras.optimizers.Optimizer` (or `LossScaleOptimizer`) with
@@ -165,4 +213,5 @@ def use_ema_warmup(optimizer: keras.optimizers.Optimizer) -> keras.optimizers.Op
             )
 
     internals.set_ema_update(ema_optimizer, update)
+    _RULES[ema_optimizer] = update
     return optimizer
