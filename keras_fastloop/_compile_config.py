@@ -32,10 +32,11 @@ _KERAS_COMPILE_KEYS = {
 
 def get_compile_config(model):
     """The model's compile config (a dict; `{}` when it is not compiled)."""
-    if not (model.compiled and hasattr(model, "_compile_config")):
+    compile_config = internals.compile_config(model)
+    if not (model.compiled and compile_config is not None):
         return {}
-    config = model._compile_config.serialize()
-    task_loss = getattr(model, "_compile_loss", None)
+    config = compile_config.serialize()
+    task_loss = internals.compile_loss(model)
     step = model.fastloop_step
     needs_tasks = step.weighting_given and not step.tasks_known_at_compile
     if needs_tasks and isinstance(task_loss, losses.TaskLoss) and task_loss.names:

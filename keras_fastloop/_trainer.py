@@ -175,7 +175,7 @@ class OptimizedTrainer:
             # Nothing below refuses the arguments: a refused compile left the model as it was.
             self._compile_keras(settings)
         self._compile_step(settings)
-        self._compile_config = settings.compile_config(jit_compile=self.jit_compile)
+        internals.set_compile_config(self, settings.compile_config(jit_compile=self.jit_compile))
 
     def _validate(self, arguments, options):
         return compile_settings.validate_compile_arguments(
@@ -194,7 +194,7 @@ class OptimizedTrainer:
         super().compile(**given)
         resolved = {
             **compile_settings.KERAS_DEFAULTS,
-            **{k: v for k, v in self._compile_config.config.items() if k != "optimizer"},
+            **{k: v for k, v in internals.compile_config(self).config.items() if k != "optimizer"},
             "optimizer": self.optimizer,
             **{
                 k: keras_given[k]

@@ -282,7 +282,7 @@ def optimized(model: keras.Model, **options: Any) -> keras.Model:
     if not isinstance(model, OptimizedTrainer):
         model.__class__ = _optimized_class(type(model))
     if model.compiled:
-        config = dict(model._compile_config.config)
+        config = dict(internals.compile_config(model).config)
         config["optimizer"] = model.optimizer  # the same object: its state is kept
         model.compile(**config, **options)
     return model

@@ -98,7 +98,9 @@ def test_ema_validation_checkpoint_holds_the_weights_it_scored_as_keras_does(tmp
         keras.Model, keras.callbacks.SwapEMAWeights(swap_on_epoch=True), "keras"
     )
     np.testing.assert_allclose(keras_checkpoint, keras_best, rtol=1e-6)  # Keras' behaviour
-    best, checkpoint = best_and_checkpoint_loss(kf.OptimizedModel, EMAValidation(swap_on_epoch=True), "ours")
+    best, checkpoint = best_and_checkpoint_loss(
+        kf.OptimizedModel, EMAValidation(swap_on_epoch=True), "ours"
+    )
     np.testing.assert_allclose(best, keras_best, rtol=1e-6)
     np.testing.assert_allclose(checkpoint, best, rtol=1e-6)
 

@@ -415,8 +415,8 @@ def test_a_replicated_fit_leaves_no_model_in_the_trace_state():
         ref = train(functional(None), x, y, epochs=1)
     assert_same_training(ref, got, atol=1e-6)
     # the replicas' threads traced with their own stacks; this thread's is empty again
-    assert internals._traced_models() == []
-    assert isinstance(internals._remat_state, threading.local)
+    assert internals.remat._traced_models() == []
+    assert isinstance(internals.remat._remat_state, threading.local)
 
 
 def test_a_list_of_layers_scope_naming_no_layer_is_said_at_compile():

@@ -20,11 +20,12 @@ import threading
 
 import tensorflow as tf
 
+from keras_fastloop import _keras_internals as internals
 from keras_fastloop._replicas import num_replicas
 
 _PATCH_LOCK = threading.Lock()
 _DEPTH_ATTR = "_fastloop_reduced_depth"
-_HOOK = "_all_reduce_sum_gradients"
+_HOOK = internals.ALL_REDUCE_HOOK
 
 
 def _needs_merge_call():

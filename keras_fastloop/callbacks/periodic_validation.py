@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import keras
 
+from keras_fastloop import _keras_internals as internals
 from keras_fastloop import _validation
 from keras_fastloop.callbacks import _validation_sets as sets_module
 from keras_fastloop.callbacks._log_keys import LogKeys
@@ -289,7 +290,7 @@ class PeriodicValidation(keras.callbacks.Callback):
             for x, y, _ in self._sets.values()
         ):
             return
-        if getattr(self.model, "_compile_loss", None) is not None:
+        if internals.compile_loss(self.model) is not None:
             raise ValueError(
                 "`validation_data` needs targets: the model compiled a loss. Pass (x, y) or "
                 "(x, y, sample_weight). Received: validation_data with inputs only"
