@@ -238,6 +238,17 @@ def test_nan_on_one_replica_corrupts_plain_keras():
     assert all(np.isnan(r).any() for r in replicas[0])
 
 
+def test_keras_still_fails_on_integer_steps_per_execution_under_two_replicas():
+    """Why `compile` refuses it (keras#19246): when this fails, Keras is fixed; drop the check."""
+    with two_replica_strategy().scope():
+        inputs = keras.Input((3,))
+        model = keras.Model(inputs, keras.layers.Dense(2)(inputs))
+        model.compile("sgd", "mse", steps_per_execution=4)
+    x = np.ones((64, 3), "float32")
+    with pytest.raises(tf.errors.InvalidArgumentError, match="placeholder"):
+        model.fit(x, np.ones((64, 2), "float32"), batch_size=8, epochs=1, verbose=0)
+
+
 # ---------------------------------------------------------------------------- regularization
 
 

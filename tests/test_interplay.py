@@ -97,6 +97,7 @@ def _refused(pair):
     return pair in (
         {"accumulation", "clipping"},
         {"accumulation", "replicas"},  # fails in keras.Model.fit too: refused at compile
+        {"spe4", "replicas"},  # the same (keras#19246)
         {"micro", "pcgrad"},
     )
 
@@ -109,23 +110,10 @@ BY_NATURE = [("accumulation", "pcgrad")]
 SLOW = {"replicas", "mixed_float16"}
 
 
-# Keras 3.15 fails on steps_per_execution > 1 under MirroredStrategy ("You must feed a value for
-# placeholder tensor ... while/cond/Placeholder"), with keras.Model too.
-KERAS_LIMITED = [("spe4", "replicas")]
-
-
 @pytest.mark.parametrize(
     "pair",
     [
-        pytest.param(
-            p,
-            id="+".join(p),
-            marks=pytest.mark.xfail(
-                strict=True, reason="keras.Model.fit fails too (Keras 3.15, spe > 1 mirrored)"
-            ),
-        )
-        if p in KERAS_LIMITED
-        else pytest.param(p, marks=pytest.mark.slow, id="+".join(p))
+        pytest.param(p, marks=pytest.mark.slow, id="+".join(p))
         if set(p) >= SLOW or ("replicas" in p and "pcgrad" in p)
         else pytest.param(p, id="+".join(p))
         for p in _pairs()

@@ -633,12 +633,18 @@ def test_one_set_keeps_the_val_keys_and_fit_validation_data_keeps_its_meaning():
     assert validation.history[-1]["val_loss"] == pytest.approx(ours["loss"], rel=1e-6)
 
 
-def test_a_key_of_the_training_logs_is_refused_before_it_is_overwritten():
+@pytest.mark.parametrize("optimized", [False, True], ids=["keras.Sequential", "Optimized"])
+def test_a_key_of_the_training_logs_is_refused_before_it_is_overwritten(optimized):
     model = linear_model(metrics=(keras.metrics.MeanAbsoluteError(name="val_loss"),))
+    if optimized:  # its metrics are built before the first step: refused before training
+        model = kf.optimized(model)
     validation = PeriodicValidation((X_VAL, Y_VAL), every_n_steps=4)
+    batches = []
+    counter = keras.callbacks.LambdaCallback(on_train_batch_end=lambda b, logs: batches.append(b))
     with pytest.raises(ValueError, match=r"differ from the training logs' keys.*\['val_loss'\]"):
-        model.fit(X, Y, batch_size=8, epochs=1, verbose=0, callbacks=[validation])
+        model.fit(X, Y, batch_size=8, epochs=1, verbose=0, callbacks=[counter, validation])
     assert validation.history == []
+    assert len(batches) == (0 if optimized else 4)
 
 
 class EmptyPyDataset(keras.utils.PyDataset):

@@ -38,9 +38,12 @@ class LogKeys:
         """Records a training batch's keys (before this callback writes its own)."""
         self.training = set(logs) - _written(model, logs)
 
-    def check(self, val_logs, sets):
-        """Raises `ValueError` when a result key is a training log's (a metric `val_loss`)."""
-        clash = sorted(set(val_logs) & self.training)
+    def check(self, val_logs, sets, training=None):
+        """Raises `ValueError` when a result key is a training log's (a metric `val_loss`).
+
+        `training`: the training keys, when known before a batch (default: the last batch's).
+        """
+        clash = sorted(set(val_logs) & (self.training if training is None else set(training)))
         if clash:
             raise ValueError(
                 "PeriodicValidation's keys must differ from the training logs' keys, which "

@@ -57,6 +57,33 @@ def named_sets(validation_data):
     return {name: tuple(v) if isinstance(v, list) else v for name, v in validation_data.items()}
 
 
+def logged_results(results, sets):
+    """The logs of the sets' results: `{"val_{name}_{key}": value}`, `"val_{key}"` for the
+    one unnamed set (name `None`).
+
+    Args:
+        results: `{set name: {key: value}}`, in the sets' order.
+        sets: the names of all sets, for the error message.
+
+    Raises:
+        ValueError: two sets' results would share a key (sets `"a"` and `"a_b"` with a
+            metric `"b_loss"` both give `val_a_b_loss`).
+    """
+    logs, origin = {}, {}
+    for name, values in results.items():
+        prefix = "val_" if name is None else f"val_{name}_"
+        for metric, value in values.items():
+            key = prefix + metric
+            if key in logs:
+                raise ValueError(
+                    "Each validation set's results need their own keys: "
+                    f"{key!r} comes from the sets {origin[key]!r} and {name!r}. "
+                    f"Rename a set. Received: sets {list(sets)}"
+                )
+            logs[key], origin[key] = value, name
+    return logs
+
+
 def check_monitor_modes(named, callbacks):
     """A callback monitoring a named set's key needs `mode="min"` or `"max"`.
 

@@ -223,6 +223,7 @@ class PeriodicValidation(keras.callbacks.Callback):
         self._log_keys.begin(self.model)
         self._check_validation_batched()
         self._check_targets()
+        self._check_result_keys()
         if self.ema:
             check_ema_model(self.model, "`PeriodicValidation(ema=True)`")
         for callback in self.callbacks:
@@ -296,6 +297,24 @@ class PeriodicValidation(keras.callbacks.Callback):
                 "(x, y, sample_weight). Received: validation_data with inputs only"
             )
 
+    def _check_result_keys(self):
+        """Raises at the start of `fit` when two sets' results, or a set's and a training
+        metric's, would share a key: as `_evaluate` and `LogKeys.check` would at the first
+        validation. Needs the compiled metrics built (an `OptimizedModel` builds them before
+        the first step) and Keras' `test_step` (its keys are the metrics'); else the check
+        waits for the first validation."""
+        metrics = self.model.metrics
+        test_step = type(self.model).test_step
+        if not test_step.__module__.startswith(("keras.", "keras_fastloop.")) or any(
+            getattr(metric, "built", True) is False for metric in metrics
+        ):
+            return
+        keys = list(self.model.get_metrics_result())
+        predicted = sets_module.logged_results(
+            dict.fromkeys(self._sets, dict.fromkeys(keys)), self._sets
+        )
+        self._log_keys.check(predicted, self._sets, training=keys)
+
     def _check_validation_batched(self):
         """Raises at the start of `fit` when a `tf.data` validation set is not batched.
 
@@ -329,10 +348,10 @@ class PeriodicValidation(keras.callbacks.Callback):
         """
         variables = list(self.model.metrics_variables)
         saved = [keras.ops.convert_to_numpy(variable) for variable in variables]
-        logs, origin = {}, {}
+        results = {}
         try:
             for name, (x, y, sample_weight) in self._sets.items():
-                results = self.model.evaluate(
+                set_results = self.model.evaluate(
                     x=x,
                     y=y,
                     sample_weight=sample_weight,
@@ -341,25 +360,16 @@ class PeriodicValidation(keras.callbacks.Callback):
                     verbose=0,
                     return_dict=True,
                 )
-                if not results:  # a dataset of unknown length that yielded no batch
+                if not set_results:  # a dataset of unknown length that yielded no batch
                     raise ValueError(
                         "Each validation set must yield at least one batch; the set "
                         f"{name!r} yielded none. Received: sets {list(self._sets)}"
                     )
-                prefix = "val_" if name is None else f"val_{name}_"
-                for metric, value in results.items():
-                    key = prefix + metric
-                    if key in logs:
-                        raise ValueError(
-                            "Each validation set's results need their own keys: "
-                            f"{key!r} comes from the sets {origin[key]!r} and {name!r}. "
-                            f"Rename a set. Received: sets {list(self._sets)}"
-                        )
-                    logs[key], origin[key] = float(value), name
+                results[name] = {metric: float(value) for metric, value in set_results.items()}
         finally:
             for variable, value in zip(variables, saved):
                 variable.assign(value)
-        return logs
+        return sets_module.logged_results(results, self._sets)
 
     def _validate(self, step, train_logs):
         # With `ema`, the driven callbacks also see the EMA weights that were scored (a best

@@ -1,7 +1,7 @@
-"""EMA validation, named validation sets, SAM and float8 in pairs and with bad input.
+"""EMA validation, named validation sets, steps_per_execution and float8 in pairs, and bad input.
 
-Each test states a reference (keras.Model / Keras' own callback, a hand-computed EMA, or
-`model.evaluate`) and is a strict xfail while the behaviour differs from it.
+Each test states a reference: keras.Model / Keras' own callback, a hand-computed EMA, or
+`model.evaluate`; refusals must come before the first training step.
 """
 
 import _helpers
@@ -156,12 +156,6 @@ def two_outputs():
     return model
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a set name that clashes with an output's log key (sets 'a' and 'a_b', output 'b': "
-    "both give val_a_b_loss) is refused only at the first validation, after every_n_steps "
-    "training steps, though the output names are known when fit starts",
-)
 def test_named_set_and_output_key_clash_is_refused_before_training():
     y = {"b": Y_HARD, "c": Y_HARD}
     validation = PeriodicValidation({"a": (X_HARD, y), "a_b": (X_HARD, y)}, every_n_steps=5)
@@ -197,22 +191,14 @@ def test_named_set_given_as_a_list_is_a_set():
 
 
 @pytest.mark.distributed
-@pytest.mark.xfail(
-    strict=True,
-    reason="an integer steps_per_execution > 1 under MirroredStrategy fails inside fit with "
-    "'You must feed a value for placeholder tensor' (Keras 3.15's multi-step loop, which "
-    "'auto' avoids); compile accepts it",
-)
-def test_integer_steps_per_execution_under_mirrored_trains_or_is_refused_at_compile():
+def test_integer_steps_per_execution_under_mirrored_is_refused_at_compile():
     strategy = _helpers.two_replica_strategy()
     with strategy.scope():
         inputs = keras.Input((3,))
         model = kf.OptimizedModel(inputs, keras.layers.Dense(2)(inputs))
-        try:
+        with pytest.raises(ValueError, match=r"keras#19246.*Received: steps_per_execution=4"):
             model.compile("sgd", "mse", steps_per_execution=4)
-        except ValueError as error:
-            assert "steps_per_execution" in str(error) and "Received" in str(error)
-            return
+        model.compile("sgd", "mse", steps_per_execution="auto")  # accepted: it stays at 1
     model.fit(X, Y, batch_size=8, epochs=1, shuffle=False, verbose=0)
 
 
