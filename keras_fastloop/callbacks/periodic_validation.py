@@ -94,8 +94,9 @@ class PeriodicValidation(keras.callbacks.Callback):
             empty or infinite (without `validation_steps`) set, arrays of different lengths,
             a set name not of letters, digits and underscores, or a named-set monitor in
             `mode="auto"`. At the start of `fit`, for an unbatched `tf.data` set, arrays
-            without targets for a compiled loss, or `ema=True` without the optimizer's
-            `use_ema=True`. At the first validation, if two sets' results share a log key.
+            without targets for a compiled loss, `ema=True` without the optimizer's
+            `use_ema=True`, or result keys shared by two sets or with a training metric
+            (at the first validation where the metrics are not built yet: `keras.Model`).
 
     Example:
 
