@@ -104,3 +104,17 @@ def bert_classifier(cls, dropout=0.1, seed=0):
         dropout=dropout,
     )
     return cls(backbone=backbone, preprocessor=preprocessor, num_classes=2, dropout=dropout)
+
+
+class WeightsByStep(keras.callbacks.Callback):
+    """`weights[step]`: the model's weights (only the trainable ones with `trainable_only`)
+    as NumPy arrays after each training batch, keyed by `optimizer.iterations`."""
+
+    def __init__(self, trainable_only=False):
+        super().__init__()
+        self.trainable_only, self.weights = trainable_only, {}
+
+    def on_train_batch_end(self, batch, logs=None):
+        step = int(keras.ops.convert_to_numpy(self.model.optimizer.iterations))
+        variables = self.model.trainable_weights if self.trainable_only else self.model.weights
+        self.weights[step] = [keras.ops.convert_to_numpy(v) for v in variables]

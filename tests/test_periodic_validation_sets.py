@@ -6,7 +6,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from _helpers import two_replica_strategy
+from _helpers import WeightsByStep, two_replica_strategy
 
 import keras_fastloop as kf
 from keras_fastloop.callbacks.periodic_validation import PeriodicValidation
@@ -35,16 +35,6 @@ def make_model(cls=keras.Model, steps_per_execution=1, metrics=("mae",)):
         steps_per_execution=steps_per_execution,
     )
     return model
-
-
-class WeightsAtBatchEnd(keras.callbacks.Callback):
-    def __init__(self):
-        super().__init__()
-        self.weights = {}
-
-    def on_train_batch_end(self, batch, logs=None):
-        step = int(keras.ops.convert_to_numpy(self.model.optimizer.iterations))
-        self.weights[step] = self.model.get_weights()
 
 
 def reference(weights, x, y=None):
@@ -78,7 +68,7 @@ def test_named_sets_log_their_own_keys_equal_to_evaluate(cls, steps_per_executio
     validation = PeriodicValidation(
         {"easy": (X_EASY, Y_EASY), "hard": hard_dataset()}, every_n_steps=6
     )
-    recorder = WeightsAtBatchEnd()
+    recorder = WeightsByStep()
     history = model.fit(
         X, Y, batch_size=4, epochs=2, shuffle=False, verbose=0, callbacks=[validation, recorder]
     )
@@ -113,7 +103,7 @@ def test_named_sets_under_two_replicas_match_evaluate():
     validation = PeriodicValidation(
         {"easy": (X_EASY, Y_EASY), "hard": hard_dataset()}, every_n_steps=3
     )
-    recorder = WeightsAtBatchEnd()
+    recorder = WeightsByStep()
     model.fit(X, Y, batch_size=8, epochs=1, verbose=0, shuffle=False,
               callbacks=[validation, recorder])  # fmt: skip
     assert [entry["step"] for entry in validation.history] == [3, 6]

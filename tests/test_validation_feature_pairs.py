@@ -108,28 +108,18 @@ def test_ema_validation_checkpoint_holds_the_weights_it_scored_as_keras_does(tmp
 # --- use_ema_warmup on an optimizer whose train function is already traced ---------------------
 
 
-class TrainableRecorder(keras.callbacks.Callback):
-    def __init__(self):
-        super().__init__()
-        self.by_step = {}
-
-    def on_train_batch_end(self, batch, logs=None):
-        step = int(keras.ops.convert_to_numpy(self.model.optimizer.iterations))
-        self.by_step[step] = [v.numpy().astype("float64") for v in self.model.trainable_weights]
-
-
 def test_use_ema_warmup_between_two_fits_acts():
     model = make_model(momentum=0.999)
-    recorder = TrainableRecorder()
+    recorder = _helpers.WeightsByStep(trainable_only=True)
     fit(model, [recorder], epochs=1)
-    first_steps = max(recorder.by_step)
+    first_steps = max(recorder.weights)
     use_ema_warmup(model.optimizer)
     fit(model, [recorder], epochs=1)
     averages = None
-    for step in sorted(recorder.by_step):
+    for step in sorted(recorder.weights):
         t = step - 1
         decay = 0.999 if step <= first_steps else min(0.999, (1 + t) / (10 + t))
-        weights = recorder.by_step[step]
+        weights = [w.astype("float64") for w in recorder.weights[step]]
         if averages is None:
             averages = weights
         else:
