@@ -119,13 +119,14 @@ def fit(model, keras_fit, args, kwargs):
 
     Raises:
         TypeError: arguments `keras.Model.fit` does not take.
+        ValueError: callbacks in an order that would lose state (`ema.check_callback_order`).
     """
     arguments = bind_fit_arguments(model, args, kwargs)
     given = arguments.get("callbacks")
     user_list = given if isinstance(given, keras.callbacks.CallbackList) else None
-    callbacks = with_internal_callbacks(
-        model, user_list.callbacks if user_list is not None else given or []
-    )
+    user_callbacks = list(user_list.callbacks if user_list is not None else given or [])
+    ema.check_callback_order(user_callbacks)
+    callbacks = with_internal_callbacks(model, user_callbacks)
     run = FitRun(model, callbacks, _glue.fit_state(model))
     if user_list is not None:
         # Keras runs a given CallbackList as it is (no History or progress bar added): a new

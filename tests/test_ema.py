@@ -322,6 +322,38 @@ def test_backup_and_restore_resumes_the_ema_bit_for_bit(tmp_path):
     assert validation.history == straight_validation.history[2:]
 
 
+class Preempted(keras.callbacks.Callback):
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch == 2:
+            raise RuntimeError("preempted")
+
+
+def test_swap_on_epoch_resumes_exactly_with_backup_and_restore_listed_first(tmp_path):
+    def run(callbacks, epochs=4):
+        model = make_model(kf.OptimizedModel)
+        return model, fit(model, callbacks, epochs=epochs, validation_data=(X_VAL, Y_VAL))
+
+    straight, straight_history = run([EMAValidation(swap_on_epoch=True)])
+    backup_dir = str(tmp_path / "backup")
+    with pytest.raises(RuntimeError, match="preempted"):
+        run([keras.callbacks.BackupAndRestore(backup_dir), EMAValidation(True), Preempted()])
+    resumed, history = run([keras.callbacks.BackupAndRestore(backup_dir), EMAValidation(True)])
+    assert history["val_loss"] == straight_history["val_loss"][2:]
+    assert_bit_equal(straight.get_weights(), resumed.get_weights())
+
+
+def test_backup_and_restore_after_a_swap_on_epoch_is_refused_before_training(tmp_path):
+    model, batches = make_model(kf.OptimizedModel), []
+    callbacks = [
+        keras.callbacks.LambdaCallback(on_train_batch_end=lambda b, logs: batches.append(b)),
+        EMAValidation(swap_on_epoch=True),
+        keras.callbacks.BackupAndRestore(str(tmp_path)),
+    ]
+    with pytest.raises(ValueError, match="must be listed before `EMAValidation"):
+        fit(model, callbacks, validation_data=(X_VAL, Y_VAL))
+    assert batches == []
+
+
 # --- replicas --------------------------------------------------------------------------------
 
 

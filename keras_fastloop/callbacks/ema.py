@@ -113,11 +113,13 @@ class EMAValidation(keras.callbacks.Callback):
         swap_on_epoch: bool, also hold the EMA weights from `on_epoch_end` to the next
             `on_epoch_begin`, so that callbacks listed after this one (`ModelCheckpoint`,
             `EarlyStopping(restore_best_weights=True)`) see the weights that were scored, as
-            with Keras' `SwapEMAWeights(swap_on_epoch=True)`. Defaults to `False`.
+            with Keras' `SwapEMAWeights(swap_on_epoch=True)`. List a `BackupAndRestore`
+            before it (it then backs up the raw weights). Defaults to `False`.
 
     Raises:
         ValueError: At the start of `fit` (or of `evaluate`), if the optimizer does not have
-            `use_ema=True`.
+            `use_ema=True`; on an `OptimizedModel`, if `swap_on_epoch=True` and a
+            `BackupAndRestore` is listed after it.
 
     Example:
 
@@ -166,6 +168,31 @@ class EMAValidation(keras.callbacks.Callback):
         # Keras' `finalize_variable_values` has put the averages into the model before
         # `on_train_end`: the model already holds what it should keep.
         self._swap = None
+
+
+def check_callback_order(callbacks) -> None:
+    """Refuses a `BackupAndRestore` listed after an `EMAValidation(swap_on_epoch=True)`.
+
+    Its `on_epoch_end` would then back up the averages as the training weights, and a resumed
+    run would train on from them. Listed before, it backs up the raw weights.
+
+    Args:
+        callbacks: the `fit` call's callbacks, in order.
+
+    Raises:
+        ValueError: if such a pair is found.
+    """
+    swapping = None
+    for callback in callbacks:
+        if isinstance(callback, EMAValidation) and callback.swap_on_epoch:
+            swapping = swapping or callback
+        elif swapping is not None and isinstance(callback, keras.callbacks.BackupAndRestore):
+            raise ValueError(
+                "`BackupAndRestore` must be listed before `EMAValidation(swap_on_epoch=True)`: "
+                "after it, it would back up the EMA weights as the training weights and a "
+                "resumed run would train on from them. Received: callbacks="
+                f"{[type(c).__name__ for c in callbacks]}"
+            )
 
 
 def use_ema_warmup(optimizer: keras.optimizers.Optimizer) -> keras.optimizers.Optimizer:
