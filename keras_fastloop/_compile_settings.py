@@ -310,8 +310,8 @@ def validate_compile_arguments(
     _check_log_metrics(log_metrics)
     optimizer = keras.optimizers.get(optimizer)
     _check_optimizer_clipping(optimizer, clipper)
-    tuning.validate_steps_per_execution(steps_per_execution)  # compile passes it on as given
-    _check_steps_per_execution_replicas(steps_per_execution, model.distribute_strategy)
+    # (compile passes it on as given)
+    tuning.validate_steps_per_execution(steps_per_execution, model.distribute_strategy)
     return CompileSettings(
         optimizer=optimizer,
         loss=loss,
@@ -403,22 +403,6 @@ def _check_optimizer_clipping(optimizer, gradient_clipping):
             "`compile(micro_batch_size=...)` to accumulate inside the step, where clipping acts "
             f"on the accumulated gradient. Received: gradient_accumulation_steps={accumulation}, "
             f"gradient_clipping={gradient_clipping!r}"
-        )
-
-
-def _check_steps_per_execution_replicas(steps_per_execution, strategy):
-    # Pinned by tests/test_distributed.py (keras.Model still fails): drop when Keras is fixed.
-    several_local_replicas = (
-        isinstance(strategy, tf.distribute.MirroredStrategy) and strategy.num_replicas_in_sync > 1
-    )
-    if steps_per_execution != "auto" and steps_per_execution > 1 and several_local_replicas:
-        raise ValueError(
-            "An integer `steps_per_execution` > 1 does not work under a MirroredStrategy with "
-            "several replicas (Keras 3.15's multi-step loop fails in `fit` with 'You must feed "
-            "a value for placeholder tensor', keras.Model too; keras#19246). Use 1, or "
-            '"auto" (which stays at 1 there). '
-            f"Received: steps_per_execution={steps_per_execution}, "
-            f"num_replicas_in_sync={strategy.num_replicas_in_sync}"
         )
 
 

@@ -9,6 +9,8 @@ from collections.abc import Mapping
 
 import keras
 
+from keras_fastloop import _keras_internals as internals
+
 
 def named_sets(validation_data):
     """`{name: data}` when `validation_data` is a dict of named validation sets, else `None`.
@@ -82,6 +84,39 @@ def logged_results(results, sets):
                 )
             logs[key], origin[key] = value, name
     return logs
+
+
+def check_targets(model, sets):
+    """Raises at the start of `fit` when arrays without targets validate a model that
+    compiled a loss (the first validation would fail mid-training)."""
+    import tensorflow as tf
+
+    if all(
+        isinstance(x, (tf.data.Dataset, keras.utils.PyDataset)) or y is not None
+        for x, y, _ in sets.values()
+    ):
+        return
+    if internals.compile_loss(model) is not None:
+        raise ValueError(
+            "`validation_data` needs targets: the model compiled a loss. Pass (x, y) or "
+            "(x, y, sample_weight). Received: validation_data with inputs only"
+        )
+
+
+def check_result_keys(model, sets, log_keys):
+    """Raises at the start of `fit` when two sets' results, or a set's and a training
+    metric's, would share a key, as the first validation would (`logged_results`,
+    `LogKeys.check`). Needs the compiled metrics built (an `OptimizedModel` builds them before
+    the first step) and Keras' `test_step` (its keys are the metrics'); else the check waits
+    for the first validation."""
+    test_step = type(model).test_step
+    if not test_step.__module__.startswith(("keras.", "keras_fastloop.")) or any(
+        getattr(metric, "built", True) is False for metric in model.metrics
+    ):
+        return
+    keys = list(model.get_metrics_result())
+    predicted = logged_results(dict.fromkeys(sets, dict.fromkeys(keys)), sets)
+    log_keys.check(predicted, sets, training=keys)
 
 
 def check_monitor_modes(named, callbacks):

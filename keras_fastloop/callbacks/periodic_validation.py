@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING, Any
 
 import keras
 
-from keras_fastloop import _keras_internals as internals
 from keras_fastloop import _validation
 from keras_fastloop.callbacks import _validation_sets as sets_module
 from keras_fastloop.callbacks._log_keys import LogKeys
@@ -223,8 +222,8 @@ class PeriodicValidation(keras.callbacks.Callback):
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         self._log_keys.begin(self.model)
         self._check_validation_batched()
-        self._check_targets()
-        self._check_result_keys()
+        sets_module.check_targets(self.model, self._sets)
+        sets_module.check_result_keys(self.model, self._sets, self._log_keys)
         if self.ema:
             check_ema_model(self.model, "`PeriodicValidation(ema=True)`")
         for callback in self.callbacks:
@@ -281,40 +280,6 @@ class PeriodicValidation(keras.callbacks.Callback):
             self._log_keys.write(self.model, logs, self._epoch_val_logs)
 
     # -- validation -------------------------------------------------------------------------
-
-    def _check_targets(self):
-        """Raises at the start of `fit` when arrays without targets validate a model that
-        compiled a loss (the first validation would fail mid-training)."""
-        import tensorflow as tf
-
-        if all(
-            isinstance(x, (tf.data.Dataset, keras.utils.PyDataset)) or y is not None
-            for x, y, _ in self._sets.values()
-        ):
-            return
-        if internals.compile_loss(self.model) is not None:
-            raise ValueError(
-                "`validation_data` needs targets: the model compiled a loss. Pass (x, y) or "
-                "(x, y, sample_weight). Received: validation_data with inputs only"
-            )
-
-    def _check_result_keys(self):
-        """Raises at the start of `fit` when two sets' results, or a set's and a training
-        metric's, would share a key: as `_evaluate` and `LogKeys.check` would at the first
-        validation. Needs the compiled metrics built (an `OptimizedModel` builds them before
-        the first step) and Keras' `test_step` (its keys are the metrics'); else the check
-        waits for the first validation."""
-        metrics = self.model.metrics
-        test_step = type(self.model).test_step
-        if not test_step.__module__.startswith(("keras.", "keras_fastloop.")) or any(
-            getattr(metric, "built", True) is False for metric in metrics
-        ):
-            return
-        keys = list(self.model.get_metrics_result())
-        predicted = sets_module.logged_results(
-            dict.fromkeys(self._sets, dict.fromkeys(keys)), self._sets
-        )
-        self._log_keys.check(predicted, self._sets, training=keys)
 
     def _check_validation_batched(self):
         """Raises at the start of `fit` when a `tf.data` validation set is not batched.

@@ -24,17 +24,20 @@ AUTO = "auto"
 AUTO_MAX_SECONDS_PER_STEP = 0.05
 
 
-def validate_steps_per_execution(value: int | str) -> int | str:
+def validate_steps_per_execution(value: int | str, strategy=None) -> int | str:
     """Checks a `steps_per_execution` argument.
 
     Args:
         value: `"auto"` or a positive int.
+        strategy: the model's `tf.distribute.Strategy`, or `None`.
 
     Returns:
         The value, unchanged (a Python int or `"auto"`).
 
     Raises:
-        ValueError: if it is neither `"auto"` nor a positive int.
+        ValueError: if it is neither `"auto"` nor a positive int, or an int > 1 under a
+            `MirroredStrategy` with several replicas (Keras 3.15 fails inside `fit` there,
+            keras.Model too: keras#19246; pinned by tests/test_distributed.py).
 
     Example:
         >>> validate_steps_per_execution("auto")
@@ -42,12 +45,21 @@ def validate_steps_per_execution(value: int | str) -> int | str:
     """
     if value == AUTO and isinstance(value, str):
         return value
-    if _validation.is_int(value) and value >= 1:
-        return int(value)
-    raise ValueError(
-        '`steps_per_execution` must be "auto" or a positive integer. '
-        f"Received: steps_per_execution={value!r}"
-    )
+    if not (_validation.is_int(value) and value >= 1):
+        raise ValueError(
+            '`steps_per_execution` must be "auto" or a positive integer. '
+            f"Received: steps_per_execution={value!r}"
+        )
+    replicas = strategy.num_replicas_in_sync if strategy is not None else 1
+    if value > 1 and replicas > 1 and isinstance(strategy, tf.distribute.MirroredStrategy):
+        raise ValueError(
+            "An integer `steps_per_execution` > 1 does not work under a MirroredStrategy with "
+            "several replicas (Keras 3.15's multi-step loop fails in `fit` with 'You must feed "
+            'a value for placeholder tensor\', keras.Model too; keras#19246). Use 1, or "auto" '
+            f"(which stays at 1 there). Received: steps_per_execution={value}, "
+            f"num_replicas_in_sync={replicas}"
+        )
+    return int(value)
 
 
 class AutoSteps:
