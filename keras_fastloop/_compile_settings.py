@@ -310,7 +310,6 @@ def validate_compile_arguments(
     _check_log_metrics(log_metrics)
     optimizer = keras.optimizers.get(optimizer)
     _check_optimizer_clipping(optimizer, clipper)
-    # (compile passes it on as given)
     tuning.validate_steps_per_execution(steps_per_execution, model.distribute_strategy)
     return CompileSettings(
         optimizer=optimizer,
