@@ -368,3 +368,30 @@ def test_wandb_batch_logs_under_auto_are_keras_models(wandb, digits):
     # the batches it logged after, as optimizer steps: 1, 6, ..., 21 and 24, 29, ..., 44
     logged_steps = [step for batch, step in batch_ends.calls if batch % 5 == 0]
     assert logged_steps == [1, 6, 11, 16, 21, 24, 29, 34, 39, 44]
+
+
+def test_wandb_batch_logger_declares_its_logged_batches_as_events(wandb):
+    from wandb.integration.keras import WandbMetricsLogger
+
+    from keras_fastloop.callbacks import events
+
+    class Own(WandbMetricsLogger):  # a user's subclass is the same logger
+        pass
+
+    wandb.init(mode="offline", project="keras_fastloop")
+    every_5, per_epoch, own = WandbMetricsLogger(log_freq=5), WandbMetricsLogger(), Own("batch")
+    assert [events.logged_batch_period(c) for c in (every_5, per_epoch, own)] == [5, None, 1]
+    # from the next batch's index: batches to train up to and including the next logged one
+    gaps = [events.batches_until_next_event([every_5], 0, batch) for batch in (0, 1, 4, 5, 6)]
+    assert gaps == [1, 5, 2, 1, 5]
+    assert events.batches_until_next_event([per_epoch], 0, 3) is None
+    assert events.event_periods([every_5, per_epoch]) == [5]
+
+
+def test_wandb_logging_every_batch_under_auto_says_it_runs_one_step(wandb, digits):
+    (x, y), _ = digits
+    model = _compile(_model(), steps_per_execution="auto")
+    with pytest.warns(kf.FastloopWarning, match=r"WandbMetricsLogger logs after every batch"):
+        _, rows, _ = _wandb_fit(wandb, model, x[:640], y[:640], "batch", epochs=2)
+    logged = _columns(rows, "batch/")
+    assert logged["batch_step"] == list(range(20))  # every batch of both epochs, in order
