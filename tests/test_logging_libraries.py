@@ -184,6 +184,29 @@ def test_mlflow_every_n_steps_logs_at_the_steps_of_keras_model(mlflow, digits):
     assert {step for _, step in batch_ends.calls} >= set(range(5, 47, 5))
 
 
+def test_mlflow_autolog_records_the_history_of_an_optimized_model(mlflow, digits):
+    """`mlflow.tensorflow.autolog()` patches `keras.Model.fit`; our `fit` reaches it."""
+    pytest.importorskip("mlflow.tensorflow")
+    (x, y), validation_data = digits
+    model = _compile(_model(), gradient_clipping=1.0, steps_per_execution="auto")
+    mlflow.tensorflow.autolog(log_models=False, silent=True)
+    try:
+        history = model.fit(
+            x, y, batch_size=64, epochs=2, verbose=0, validation_data=validation_data
+        )
+    finally:
+        mlflow.tensorflow.autolog(disable=True)
+    mlflow.flush_async_logging()
+    run_id = mlflow.last_active_run().info.run_id
+    client = mlflow.tracking.MlflowClient()
+    assert set(history.history) == {"accuracy", "loss", "grad_norm", "val_accuracy", "val_loss"}
+    for key, values in history.history.items():
+        points = sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
+        assert [step for step, _ in points] == [0, 1]
+        np.testing.assert_allclose([value for _, value in points], values, atol=ATOL)
+    assert client.get_run(run_id).data.params["epochs"] == "2"
+
+
 def test_mlflow_keras_flavor_round_trips_an_optimized_model(mlflow, digits, tmp_path):
     (x, y), (x_val, _) = digits
     model = _compile(_model(), gradient_clipping=1.0, steps_per_execution="auto")
