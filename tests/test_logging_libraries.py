@@ -184,6 +184,40 @@ def test_mlflow_every_n_steps_logs_at_the_steps_of_keras_model(mlflow, digits):
     assert {step for _, step in batch_ends.calls} >= set(range(5, 47, 5))
 
 
+def test_mlflow_step_logs_carry_each_validation_at_its_step(mlflow, digits):
+    """`PeriodicValidation` writes each validation's keys into the batch logs of its step;
+    `MlflowCallback(log_every_n_steps=5)` after it records them at that optimizer step."""
+    (x, y), (x_val, y_val) = digits
+    model = _compile(_model(), steps_per_execution="auto")
+    sets = {"easy": (x_val[:160], y_val[:160]), "hard": (x_val[160:], y_val[160:])}
+    validation = kf.callbacks.PeriodicValidation(sets, every_n_steps=10)
+    logger = mlflow.keras.MlflowCallback(log_every_epoch=False, log_every_n_steps=5)
+    batch_ends = _BatchEnds()
+    _, recorded = _mlflow_fit(mlflow, model, x, y, [validation, logger, batch_ends], epochs=2)
+    _assert_grouped(batch_ends, model)
+    assert [entry["step"] for entry in validation.history] == [10, 20, 30, 40]
+    for key in ("val_easy_loss", "val_easy_accuracy", "val_hard_loss"):
+        expected = [(entry["step"], entry[key]) for entry in validation.history]
+        np.testing.assert_allclose(sorted(recorded[key]), expected, atol=ATOL)
+    assert [step for step, _ in sorted(recorded["loss"])] == list(range(5, 47, 5))
+
+
+def test_mlflow_records_the_loss_scale_under_mixed_float16(mlflow, digits):
+    (x, y), _ = digits
+    keras.config.set_dtype_policy("mixed_float16")
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((8, 8, 1))
+    hidden = keras.layers.Dense(16, activation="relu")(keras.layers.Flatten()(inputs))
+    model = kf.OptimizedModel(inputs, keras.layers.Dense(10, dtype="float32")(hidden))
+    _compile(model, log_metrics=["loss_scale", "grad_norm"], steps_per_execution="auto")
+    assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+    history, recorded = _mlflow_fit(mlflow, model, x, y, [mlflow.keras.MlflowCallback()], epochs=2)
+    assert {"loss_scale", "grad_norm", "loss"} <= set(recorded)
+    for key in history.history:
+        np.testing.assert_allclose(_epoch_series(recorded, key), history.history[key], atol=ATOL)
+    assert all(value >= 1.0 for value in _epoch_series(recorded, "loss_scale"))
+
+
 def test_mlflow_autolog_records_the_history_of_an_optimized_model(mlflow, digits):
     """`mlflow.tensorflow.autolog()` patches `keras.Model.fit`; our `fit` reaches it."""
     pytest.importorskip("mlflow.tensorflow")
