@@ -265,6 +265,9 @@ def wandb(tmp_path, monkeypatch):
     for name, value in {
         "WANDB_MODE": "offline",
         "WANDB_DIR": str(tmp_path),
+        "WANDB_CACHE_DIR": str(tmp_path / "cache"),  # wandb-core's logs: not in the home
+        "WANDB_CONFIG_DIR": str(tmp_path / "config"),
+        "WANDB_DATA_DIR": str(tmp_path / "data"),
         "WANDB_SILENT": "true",
         "WANDB_CONSOLE": "off",
         "WANDB_DISABLE_GIT": "true",
