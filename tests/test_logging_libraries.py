@@ -241,6 +241,38 @@ def test_mlflow_autolog_records_the_history_of_an_optimized_model(mlflow, digits
     assert client.get_run(run_id).data.params["epochs"] == "2"
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="autolog adds its MlflowCallback(log_every_n_steps=5) to a copy of the callback "
+    "list inside the patched keras.Model.fit, after OptimizedModel.fit handed its list to the "
+    'FitRun: "auto" does not see the event and groups past steps 5, 10, ...; nothing is '
+    "logged (keras.Model: 9 rows). Workaround: an explicit MlflowCallback(log_every_n_steps=N).",
+)
+def test_mlflow_autolog_every_n_steps_logs_at_the_steps_of_keras_model(mlflow, digits):
+    """`autolog(log_every_n_steps=5)` adds its `MlflowCallback` to a copy of `fit`'s callback
+    list inside the patched `keras.Model.fit`: under `"auto"` it logs at the steps and with
+    the values `keras.Model` logs (one step per call)."""
+    pytest.importorskip("mlflow.tensorflow")
+    (x, y), _ = digits
+    recorded = {}
+    for cls, options in ((keras.Model, {}), (kf.OptimizedModel, {"steps_per_execution": "auto"})):
+        model = _compile(_model(cls), **options)
+        mlflow.tensorflow.autolog(
+            log_models=False, silent=True, log_every_epoch=False, log_every_n_steps=5
+        )
+        try:
+            model.fit(x, y, batch_size=64, epochs=2, verbose=0)
+        finally:
+            mlflow.tensorflow.autolog(disable=True)
+        mlflow.flush_async_logging()
+        run_id = mlflow.last_active_run().info.run_id
+        client = mlflow.tracking.MlflowClient()
+        recorded[cls] = sorted((m.step, m.value) for m in client.get_metric_history(run_id, "loss"))
+    assert [step for step, _ in recorded[keras.Model]] == list(range(5, 47, 5))
+    assert [step for step, _ in recorded[kf.OptimizedModel]] == list(range(5, 47, 5))
+    np.testing.assert_allclose(recorded[kf.OptimizedModel], recorded[keras.Model], atol=ATOL)
+
+
 def test_mlflow_keras_flavor_round_trips_an_optimized_model(mlflow, digits, tmp_path):
     (x, y), (x_val, _) = digits
     model = _compile(_model(), gradient_clipping=1.0, steps_per_execution="auto")
