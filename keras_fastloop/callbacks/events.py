@@ -14,7 +14,8 @@ event wins:
 - a method `steps_until_next_event(step) -> int | None`: optimizer steps from `step`
   (`optimizer.iterations` now) to the next step after which it must run (`None`: no event);
 - a positive int attribute `every_n_steps` or `log_every_n_steps`: an event after every
-  multiple of it in optimizer steps (`PeriodicValidation`, `ThroughputMonitor`);
+  multiple of it in optimizer steps (`PeriodicValidation`, `ThroughputMonitor`, MLflow's
+  `MlflowCallback(log_every_n_steps=N)`);
 - a method `batches_until_next_event(batch) -> int | None`: batches, counting the next one to
   train (index `batch` of the epoch), until the next batch after which it must run
   (`ProfilerWindow`: before its first step and after its last);
@@ -22,7 +23,10 @@ event wins:
   `keras.callbacks.BackupAndRestore`): a save after every `save_freq` batches, counted by
   the callback itself;
 - `keras.callbacks.TensorBoard` with an integer `update_freq`: an event after every batch,
-  since it numbers its batch summaries by its calls, not by batch (`counts_calls`).
+  since it numbers its batch summaries by its calls, not by batch (`counts_calls`);
+- W&B's `WandbMetricsLogger` with an integer `log_freq` (`"batch"`: 1): an event after each
+  batch whose index in the epoch is a multiple of it, where it logs, on a step axis
+  (`batch/batch_step`) it advances by `log_freq` per log (`logged_batch_period`).
 
 With the optimizer's `gradient_accumulation_steps=a` one optimizer step is `a` batches.
 Callbacks nested inside another (the `callbacks` of `PeriodicValidation`) are not searched:
@@ -52,6 +56,7 @@ __all__ = [
     "batches_until_next_event",
     "counts_calls",
     "event_periods",
+    "logged_batch_period",
     "reads_optimizer_step",
     "steps_until_next_event",
 ]
@@ -136,6 +141,9 @@ def batches_until_next_event(
         gap = _save_gap(callback)
         if gap is not None:
             gaps.append(gap)
+        period = logged_batch_period(callback)
+        if period is not None:
+            gaps.append(-batch % period + 1)
     return min(gaps) if gaps else None
 
 
@@ -161,6 +169,9 @@ def event_periods(
             periods.append(int(callback.save_freq))
         if counts_calls(callback):
             periods.append(1)
+        period = logged_batch_period(callback)
+        if period is not None:
+            periods.append(period)
     return periods
 
 
@@ -182,6 +193,32 @@ def counts_calls(callback: keras.callbacks.Callback) -> bool:
     return isinstance(callback, keras.callbacks.TensorBoard) and _positive_int(
         getattr(callback, "update_freq", None)
     )
+
+
+def logged_batch_period(callback: keras.callbacks.Callback) -> int | None:
+    """The batch-index period of W&B's `WandbMetricsLogger(log_freq=N)`, else `None`.
+
+    It logs after a batch whose index in the epoch is a multiple of `N` (`log_freq="batch"`:
+    1), at `batch/batch_step` = its own count of logs times `N`. Under several steps per
+    execution it sees only each execution's last batch: it logs fewer rows, and puts later
+    steps' figures at the step axis of earlier ones. Recognised by class name and module
+    (`wandb.`), subclasses included, so that keras_fastloop does not import wandb.
+
+    Args:
+        callback: a `keras.callbacks.Callback`.
+
+    Returns:
+        An int >= 1, or `None` (another callback, or `log_freq="epoch"`).
+    """
+    if not any(
+        cls.__name__ == "WandbMetricsLogger" and cls.__module__.startswith("wandb.")
+        for cls in type(callback).__mro__
+    ):
+        return None
+    period = getattr(callback, "log_freq", None)
+    if getattr(callback, "logging_batch_wise", False) and _positive_int(period):
+        return int(period)
+    return None
 
 
 def reads_optimizer_step(callbacks: Iterable[keras.callbacks.Callback]) -> bool:

@@ -120,6 +120,16 @@ class AutoSteps:
                     stacklevel=4,
                 )
                 break
+            if events.logged_batch_period(callback) == 1:
+                warnings.warn(
+                    'steps_per_execution="auto" runs one step per execution in this fit: '
+                    f"{type(callback).__name__} logs after every batch (log_freq=1). "
+                    'With log_freq=N it logs every N batches and "auto" groups the steps '
+                    'between; log_freq="epoch" leaves "auto" free.',
+                    FastloopWarning,
+                    stacklevel=4,
+                )
+                break
         periods = events.event_periods(callbacks, accumulation)
         if num_batches:
             periods.append(int(num_batches))
