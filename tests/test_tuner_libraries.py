@@ -234,6 +234,32 @@ def test_keras_tuner_hyperband_continues_trials_as_keras_model(digits, tmp_path)
     )
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_keras_tuner_distribution_strategy_scores_equal_keras_model(
+    digits, tmp_path, mirrored_strategy
+):
+    """`distribution_strategy=` (two replicas): KerasTuner builds and reloads each model in the
+    strategy's scope; the scores and the reloaded best model are `keras.Model`'s."""
+    x, y, x_val, y_val = digits
+    search = {"data": (x, y), "validation_data": (x_val, y_val)}
+    tuner_kwargs = {"distribution_strategy": mirrored_strategy}
+    expected = _search(keras.Model, tmp_path, dict(search), tuner_kwargs)
+    got = _search(
+        kf.OptimizedModel,
+        tmp_path,
+        dict(search),
+        tuner_kwargs,
+        gradient_clipping=NEVER_CLIPS,
+        micro_batch_size=16,
+    )
+    _assert_same_trials(got, expected)
+    best = got.get_best_models(1)[0]
+    assert isinstance(best, kf.OptimizedModel)
+    for a, b in zip(best.get_weights(), expected.get_best_models(1)[0].get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
 # -- Optuna --------------------------------------------------------------------------------
 
 
