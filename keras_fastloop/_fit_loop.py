@@ -132,6 +132,11 @@ def fit(model, keras_fit, args, kwargs):
         # one over the same callbacks and params, so the user's list is left unchanged.
         callbacks = keras.callbacks.CallbackList(callbacks, model=model, **(user_list.params or {}))
     arguments["callbacks"] = callbacks
+    # Skips are reported at epoch ends: those of a fit that an exception ended mid-epoch are
+    # said now, before a callback (BackupAndRestore) restores the step state, not as this fit's.
+    fit_callbacks.report_skips(
+        model, "an earlier fit that ended before its epoch end, or steps outside fit"
+    )
     with run:
         return keras_fit(**arguments)
 

@@ -9,6 +9,7 @@ scores, intermediate values and pruning decisions must be the same. A pruned tri
 """
 
 import copy
+import warnings
 
 import keras
 import numpy as np
@@ -377,3 +378,33 @@ def test_trial_pruned_mid_epoch_leaves_the_model_usable(digits, ema):
         np.testing.assert_allclose(got[2][key], expected[3][key], rtol=1e-6)
     for a, b in zip(got[3], expected[4]):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_trial_pruned_after_a_skipped_step_is_not_reported_as_the_next_fits(digits):
+    """A step skipped for a non-finite loss, then `TrialPruned` before the epoch end (where
+    skips are reported): the next `fit` of the model says the skip once, before its epochs,
+    as an earlier fit's, not as a skip of its own first epoch (its data are finite)."""
+    x, y = digits[0][: 4 * BATCH], digits[1][: 4 * BATCH]  # an epoch of 4 batches
+    poisoned = x.copy()
+    poisoned[BATCH] = np.nan  # batch 1: a non-finite loss, the step is skipped
+
+    class PruneAtBatch3(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 3:  # the epoch's last batch, before its end
+                raise optuna.TrialPruned("pruned at batch 3")
+
+    model = _build(kf.OptimizedModel, 1e-3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(optuna.TrialPruned):
+            model.fit(
+                poisoned, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[PruneAtBatch3()]
+            )
+        assert int(model.skipped_steps) == 1
+        assert not [w for w in caught if issubclass(w.category, kf.FastloopWarning)]
+        model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    said = [str(w.message) for w in caught if issubclass(w.category, kf.FastloopWarning)]
+    assert len(said) == 1, said
+    assert "at optimizer step 1," in said[0] and "an earlier fit" in said[0]
+    assert "in epoch 1" not in said[0]
+    assert int(model.skipped_steps) == 1
