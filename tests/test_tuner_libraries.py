@@ -408,3 +408,43 @@ def test_trial_pruned_after_a_skipped_step_is_not_reported_as_the_next_fits(digi
     assert "at optimizer step 1," in said[0] and "an earlier fit" in said[0]
     assert "in epoch 1" not in said[0]
     assert int(model.skipped_steps) == 1
+
+
+def test_fit_resumed_by_backup_after_an_exception_reports_a_skip_once(digits, tmp_path):
+    """The counterpart: a `fit` ended by an exception and resumed in the same process by
+    `BackupAndRestore(save_freq=3)` continues the interrupted epoch, step state included; its
+    skip (before the backup) is said once, as a skip of that epoch."""
+    x, y = digits[0][: 8 * BATCH], digits[1][: 8 * BATCH]
+    poisoned = x.copy()
+    poisoned[BATCH] = np.nan
+
+    class FailAtBatch5(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 5:
+                raise optuna.TrialPruned("pruned at batch 5")
+
+    model = _build(kf.OptimizedModel, 1e-3)
+    backup = str(tmp_path / "backup")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(optuna.TrialPruned):
+            model.fit(
+                poisoned,
+                y,
+                batch_size=BATCH,
+                shuffle=False,
+                verbose=0,
+                callbacks=[keras.callbacks.BackupAndRestore(backup, save_freq=3), FailAtBatch5()],
+            )
+        model.fit(
+            poisoned,
+            y,
+            batch_size=BATCH,
+            shuffle=False,
+            verbose=0,
+            callbacks=[keras.callbacks.BackupAndRestore(backup, save_freq=3)],
+        )
+    said = [str(w.message) for w in caught if issubclass(w.category, kf.FastloopWarning)]
+    assert len(said) == 1, said
+    assert "in epoch 1 " in said[0] and "at optimizer step 1," in said[0]
+    assert int(model.skipped_steps) == 1 and int(model.optimizer.iterations) == 7
