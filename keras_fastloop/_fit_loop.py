@@ -133,6 +133,13 @@ def fit(model, keras_fit, args, kwargs):
         # one over the same callbacks and params, so the user's list is left unchanged.
         callbacks = keras.callbacks.CallbackList(callbacks, model=model, **(user_list.params or {}))
     arguments["callbacks"] = callbacks
+    if not any(isinstance(c, keras.callbacks.BackupAndRestore) for c in run.callbacks):
+        # Skips are said at epoch ends: those of a fit that an exception ended mid-epoch are
+        # said now, not as this fit's. A BackupAndRestore continues that epoch, its step
+        # state included, and says them at its end.
+        fit_callbacks.report_skips(
+            model, "an earlier fit that ended before its epoch end, or steps outside fit"
+        )
     with run:
         return keras_fit(**arguments)
 

@@ -207,6 +207,18 @@ class PeriodicValidation(keras.callbacks.Callback):
         self._restore_pending = False
         self._log_keys = LogKeys()
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> PeriodicValidation:
+        """A copy that shares the validation sets and deep-copies the rest (driven callbacks,
+        history). A `tf.data.Dataset` cannot be deep-copied, and KerasTuner deep-copies the
+        search's callbacks for every trial; the sets are only read."""
+        for x, y, sample_weight in self._sets.values():
+            for data in (x, y, sample_weight):
+                memo[id(data)] = data
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        copied.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return copied
+
     # -- Keras plumbing, forwarded to the driven callbacks ---------------------------------
 
     def set_model(self, model: keras.Model) -> None:
