@@ -24,7 +24,9 @@ AUTO = "auto"
 AUTO_MAX_SECONDS_PER_STEP = 0.05
 
 
-def validate_steps_per_execution(value: int | str, strategy=None) -> int | str:
+def validate_steps_per_execution(
+    value: int | str, strategy: tf.distribute.Strategy | None = None
+) -> int | str:
     """Checks a `steps_per_execution` argument.
 
     Args:
