@@ -24,15 +24,19 @@ __all__ = ["EMAValidation", "ema_weights", "use_ema_warmup"]
 _RULES = weakref.WeakKeyDictionary()
 
 
+def _unwrapped(optimizer):
+    """The optimizer that keeps the averages: a `LossScaleOptimizer`'s inner one."""
+    inner = getattr(optimizer, "inner_optimizer", None)
+    return inner if inner is not None else optimizer
+
+
 def ema_rule(optimizer):
     """The EMA update `use_ema_warmup` gave `optimizer` (or its inner one), else `None`."""
-    inner = getattr(optimizer, "inner_optimizer", None)
-    return _RULES.get(inner if inner is not None else optimizer)
+    return _RULES.get(_unwrapped(optimizer))
 
 
 def _ema_optimizer(optimizer, what):
-    inner = getattr(optimizer, "inner_optimizer", None)  # LossScaleOptimizer
-    optimizer = inner if inner is not None else optimizer
+    optimizer = _unwrapped(optimizer)
     if not getattr(optimizer, "use_ema", False):
         raise ValueError(
             f"{what} needs an optimizer with `use_ema=True` (it keeps the moving averages). "
@@ -182,11 +186,11 @@ def check_callback_order(callbacks) -> None:
     Raises:
         ValueError: if such a pair is found.
     """
-    swapping = None
+    swapping = False
     for callback in callbacks:
         if isinstance(callback, EMAValidation) and callback.swap_on_epoch:
-            swapping = swapping or callback
-        elif swapping is not None and isinstance(callback, keras.callbacks.BackupAndRestore):
+            swapping = True
+        elif swapping and isinstance(callback, keras.callbacks.BackupAndRestore):
             raise ValueError(
                 "`BackupAndRestore` must be listed before `EMAValidation(swap_on_epoch=True)`: "
                 "after it, it would back up the EMA weights as the training weights and a "
