@@ -64,6 +64,24 @@ def validate_steps_per_execution(
     return int(value)
 
 
+def _one_step_reason(callback):
+    """Why `callback` needs a call after every batch (then "auto" runs one step per
+    execution), or `None`."""
+    if events.counts_calls(callback):
+        return (
+            f"{type(callback).__name__}(update_freq={callback.update_freq}) numbers "
+            "its batch summaries by calls, so grouped steps would be written at the "
+            'wrong steps. With update_freq="epoch" "auto" groups steps.'
+        )
+    if events.logged_batch_period(callback) == 1:
+        return (
+            f"{type(callback).__name__} logs after every batch (log_freq=1). "
+            'With log_freq=N it logs every N batches and "auto" groups the steps '
+            'between; log_freq="epoch" leaves "auto" free.'
+        )
+    return None
+
+
 class AutoSteps:
     """Per-model runtime state of `steps_per_execution="auto"` (not serialized).
 
@@ -112,22 +130,10 @@ class AutoSteps:
             accumulation: int >= 1, batches per optimizer step.
         """
         for callback in callbacks:
-            if events.counts_calls(callback):
+            reason = _one_step_reason(callback)
+            if reason is not None:
                 warnings.warn(
-                    'steps_per_execution="auto" runs one step per execution in this fit: '
-                    f"{type(callback).__name__}(update_freq={callback.update_freq}) numbers "
-                    "its batch summaries by calls, so grouped steps would be written at the "
-                    'wrong steps. With update_freq="epoch" "auto" groups steps.',
-                    FastloopWarning,
-                    stacklevel=4,
-                )
-                break
-            if events.logged_batch_period(callback) == 1:
-                warnings.warn(
-                    'steps_per_execution="auto" runs one step per execution in this fit: '
-                    f"{type(callback).__name__} logs after every batch (log_freq=1). "
-                    'With log_freq=N it logs every N batches and "auto" groups the steps '
-                    'between; log_freq="epoch" leaves "auto" free.',
+                    'steps_per_execution="auto" runs one step per execution in this fit: ' + reason,
                     FastloopWarning,
                     stacklevel=4,
                 )
