@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import math
 import numbers
+import warnings
 
 import keras
+import tensorflow as tf
 from keras import tree
 
 from keras_fastloop import _keras_internals as internals
 from keras_fastloop import _validation
+from keras_fastloop._warnings import FastloopWarning
 
 
 def validate_micro_batch_size(micro_batch_size):
@@ -258,3 +261,106 @@ __all__ = [
     "check_sam_compatible",
     "check_overwritten_variables",
 ]
+
+
+def check_remat_scopes(model):
+    """The `keras.RematScope` arguments the model's layers were built under, checked at compile.
+
+    Keras checks `mode` when the scope is made but not `output_size_threshold` or
+    `layer_names`, which would fail (or act on nothing) deep inside the first step.
+
+    Raises:
+        ValueError: `output_size_threshold` not a non-negative integer (`"larger_than"`), or
+            `layer_names` not a list of strings (`"list_of_layers"`).
+
+    Warns:
+        FastloopWarning: a `"list_of_layers"` scope none of whose `layer_names` is the name of
+            a layer built under it (it rematerializes nothing).
+    """
+    found = internals.remat_modes(model)
+    for layer_name, remat_mode in found:
+        if remat_mode.mode == "larger_than":
+            threshold = remat_mode.output_size_threshold
+            if not _validation.is_int(threshold) or threshold < 0:
+                _validation.fail(
+                    "output_size_threshold",
+                    'a non-negative integer (the `keras.RematScope(mode="larger_than")` '
+                    f"layer '{layer_name}' was built under)",
+                    threshold,
+                )
+        elif remat_mode.mode == "list_of_layers":
+            names = remat_mode.layer_names
+            if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+                _validation.fail(
+                    "layer_names",
+                    "a list of layer names (strings) (the `keras.RematScope(mode="
+                    f"\"list_of_layers\")` layer '{layer_name}' was built under)",
+                    names,
+                )
+    scopes = {}
+    for layer_name, remat_mode in found:
+        if remat_mode.mode == "list_of_layers":
+            # one RematMode per layer: scopes made with the same arguments count as one
+            key = tuple(remat_mode.layer_names)
+            scopes.setdefault(key, (remat_mode, set()))[1].add(layer_name)
+    for remat_mode, built in scopes.values():
+        if not built & set(remat_mode.layer_names):
+            warnings.warn(
+                'A `keras.RematScope(mode="list_of_layers")` names no layer built under it, so '
+                f"it rematerializes nothing. Layers built under it: {sorted(built)}. "
+                f"Received: layer_names={list(remat_mode.layer_names)}",
+                FastloopWarning,
+                stacklevel=3,
+            )
+
+
+def check_custom_step(class_name, weighting, loss_weighting, micro_batch_size):
+    """Options a class's own `train_step` cannot reach: refused here, not silently dropped."""
+    if micro_batch_size is not None:
+        raise ValueError(
+            f"`micro_batch_size` needs the library's forward pass, and {class_name} has its own "
+            "`train_step`, which does its own. Call `super().train_step(data)` from it, or "
+            f"split the batch in it. Received: micro_batch_size={micro_batch_size!r}"
+        )
+    if weighting.requires_task_gradients or weighting.has_state_update:
+        raise ValueError(
+            f"Loss weighting '{weighting.name}' needs the library's default `train_step` (per-"
+            f"task gradients or a state update each step); {class_name} has its own. Use a "
+            "method that only combines the losses in `compute_loss` (`uw`, `rlw`, static "
+            f"weights) or call `super().train_step(data)`. Received: loss_weighting={loss_weighting!r}"
+        )
+
+
+def check_optimizer_clipping(optimizer, gradient_clipping):
+    """Clipping or accumulation set on the optimizer that the step's own would clash with."""
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    set_on_optimizer = {
+        name: getattr(inner, name, None)
+        for name in ("clipnorm", "global_clipnorm", "clipvalue")
+        if getattr(inner, name, None) is not None
+    }
+    if gradient_clipping is not None and set_on_optimizer:
+        raise ValueError(
+            "Gradient clipping is set twice: on the optimizer "
+            f"({', '.join(f'{k}={v}' for k, v in set_on_optimizer.items())}) and in "
+            "`compile(gradient_clipping=...)`. Set it in one place only (prefer "
+            "`gradient_clipping`, which clips the gradient summed across replicas). "
+            f"Received: gradient_clipping={gradient_clipping!r}"
+        )
+    accumulation = getattr(inner, "gradient_accumulation_steps", None)
+    if accumulation and tf.distribute.has_strategy():
+        raise ValueError(
+            "The optimizer's `gradient_accumulation_steps` does not work under tf.distribute "
+            "(Keras 3.15 synchronises inside a conditional, which raises in `fit`, with "
+            "keras.Model too). Use `compile(micro_batch_size=...)` to accumulate inside the "
+            f"step. Received: gradient_accumulation_steps={accumulation}"
+        )
+    if gradient_clipping is not None and accumulation:
+        raise ValueError(
+            "`gradient_clipping` cannot be combined with the optimizer's "
+            "`gradient_accumulation_steps`: the step would clip each batch's gradient before "
+            "Keras accumulates them (a mean of clipped gradients, not the clipped mean). Use "
+            "`compile(micro_batch_size=...)` to accumulate inside the step, where clipping acts "
+            f"on the accumulated gradient. Received: gradient_accumulation_steps={accumulation}, "
+            f"gradient_clipping={gradient_clipping!r}"
+        )

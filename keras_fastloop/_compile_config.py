@@ -1,9 +1,10 @@
 """What `get_compile_config()` saves and `compile_from_config()` restores (`.keras` files).
 
-The config is `CompileSettings.compile_config`'s (only the features that are on, so with every
-feature off it is a `keras.Model` one), plus, for a loss weighting whose tasks were unknown at
-`compile`, the task names and static weights: a loaded model then creates its weighting state
-before its variables load.
+The config is `CompileSettings.saved` with Keras' resolved `jit_compile` (only the features
+that are on, so with every feature off it is a `keras.Model` one); `shared_variables`, when
+given, as the paths of the variables (found again by path on loading); and, for a loss
+weighting whose tasks were unknown at `compile`, the task names and static weights: a loaded
+model then creates its weighting state before its variables load.
 """
 
 from __future__ import annotations
@@ -38,6 +39,10 @@ def get_compile_config(model):
     config = compile_config.serialize()
     task_loss = internals.compile_loss(model)
     step = model.fastloop_step
+    if step.settings.shared_variables is not None:
+        config["shared_variables"] = [
+            variable.path for variable in _variables(step.settings.shared_variables)
+        ]
     needs_tasks = step.weighting_given and not step.tasks_known_at_compile
     if needs_tasks and isinstance(task_loss, losses.TaskLoss) and task_loss.names:
         # The default static weights are rebuilt from `loss_weights` at the first step.
@@ -74,8 +79,32 @@ def compile_from_config(model, config, custom_compile):
     # `keras.saving.get_custom_objects().clear()`.
     with keras.saving.custom_object_scope(_registry.library_objects()):
         config = internals.serialization_lib.deserialize_keras_object(config)
+    if config.get("shared_variables") is not None:
+        config["shared_variables"] = _by_path(model, config["shared_variables"])
     model.compile(**config)
     if task_names is not None:
         model.fastloop_step.build_weighting((task_names, task_weights))
     if model.built:
         model.optimizer.build(model.trainable_variables)
+
+
+def _variables(items):
+    """The variables of `compile(shared_variables=...)`: a layer stands for its trainable ones."""
+    for item in items:
+        yield from item.trainable_variables if isinstance(item, keras.layers.Layer) else [item]
+
+
+def _by_path(model, paths):
+    """The model's trainable variables at the saved `paths`.
+
+    Raises:
+        ValueError: a path the loaded model does not have.
+    """
+    variables = {variable.path: variable for variable in model.trainable_variables}
+    missing = [path for path in paths if path not in variables]
+    if missing:
+        raise ValueError(
+            "The saved compile config's `shared_variables` must name trainable variables of "
+            f"the loaded model ({sorted(variables)}). Received: shared_variables={missing}"
+        )
+    return [variables[path] for path in paths]

@@ -1,10 +1,11 @@
-"""The checks of `OptimizedModel.compile`: every argument is validated here, once.
+"""The checks of `OptimizedModel.compile`, and Keras' compile once they pass.
 
 `validate_compile_arguments` is the single place where `compile` refuses its arguments (each
-error says what must hold and ends with `Received: ...`); it returns a `CompileSettings`,
-from which `compile` then builds Keras' compile state and the step's components without
-further checks. Nothing is changed on the model before every check has passed, so a refused
-`compile` leaves the model as it was (optimizer, clipping, step state).
+error says what must hold and ends with `Received: ...`); it returns a `CompileSettings`.
+`compile_model` binds the caller's arguments, validates them, then runs Keras' compile and
+installs the `TaskLoss` and the compile config, without further checks; the trainer builds the
+`TrainingStep` from the settings. Nothing is changed on the model before every check has
+passed, so a refused `compile` leaves the model as it was (optimizer, clipping, step state).
 """
 
 from __future__ import annotations
@@ -12,21 +13,16 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import inspect
-import warnings
 from typing import Any
 
 import keras
-import tensorflow as tf
 
 from keras_fastloop import _compile_checks as checks
 from keras_fastloop import _keras_internals as internals
-from keras_fastloop import _validation as validation
 from keras_fastloop import clipping as clipping_module
 from keras_fastloop import tuning
 from keras_fastloop import weighting as weighting_module
-from keras_fastloop._step import losses, scaling, user_metrics
-from keras_fastloop._step.results import LOG_METRICS
-from keras_fastloop._warnings import FastloopWarning
+from keras_fastloop._step import losses, results, user_metrics
 
 __all__ = [
     "KERAS_DEFAULTS",
@@ -34,6 +30,7 @@ __all__ = [
     "CompileSettings",
     "bind_keras_arguments",
     "class_compile_beside",
+    "compile_model",
     "validate_compile_arguments",
 ]
 
@@ -101,6 +98,91 @@ def class_compile_beside(cls, trainer):
     return False
 
 
+def compile_model(
+    model,
+    keras_compile,
+    args,
+    kwargs,
+    options,
+    *,
+    through_class,
+    overrides_compute_loss,
+    overrides_train_step,
+):
+    """Validates `compile()`'s arguments, then compiles `model` by Keras with them.
+
+    Args:
+        model: the model being compiled.
+        keras_compile: the `compile` of the class after ours in the model's MRO (Keras', or
+            a KerasHub task's).
+        args, kwargs: the caller's Keras arguments (`keras.Model.compile`'s), as given.
+        options: `{name: value}` of the step's own options (`STEP_OPTIONS`).
+        through_class: whether `keras_compile` is a class's own (`class_compile_beside`): it
+            then compiles first with what the caller gave, and what it resolved is validated.
+        overrides_compute_loss, overrides_train_step: bool, whether the model's class has its
+            own `compute_loss` / `train_step`.
+
+    Returns:
+        The `CompileSettings`; the model holds Keras' compile state, the `TaskLoss` of a
+        given `loss` and the compile config.
+
+    Raises:
+        TypeError, ValueError: as `bind_keras_arguments` and `validate_compile_arguments`;
+            nothing on the model is changed (but what a class's own `compile` did).
+    """
+    given = bind_keras_arguments(args, kwargs)
+    if through_class:
+        # "auto" is ours: the class's compile runs 1 step per slot, tuned by our fit loop.
+        auto = "steps_per_execution" in given and given["steps_per_execution"] == "auto"
+        keras_compile(**{**given, "steps_per_execution": 1} if auto else given)
+        arguments = _resolved_by_class(model, given)
+    else:
+        arguments = {**KERAS_DEFAULTS, **given}
+    settings = validate_compile_arguments(
+        model,
+        overrides_compute_loss=overrides_compute_loss,
+        overrides_train_step=overrides_train_step,
+        **arguments,
+        **options,
+    )
+    if not through_class:
+        # The loss is ours (`TaskLoss`, below); "auto": Keras runs 1 step per slot.
+        keras_compile(
+            optimizer=settings.optimizer,
+            loss=None,
+            metrics=settings.metrics,
+            weighted_metrics=settings.weighted_metrics,
+            run_eagerly=settings.run_eagerly,
+            steps_per_execution=tuning.resolve_steps_per_execution(settings.steps_per_execution)[0],
+            jit_compile=settings.jit_compile,
+            auto_scale_loss=settings.auto_scale_loss,
+        )
+    if settings.loss is not None:  # as Keras: compile(loss=None) keeps an earlier compiled loss
+        task_loss = losses.TaskLoss(
+            settings.loss, settings.loss_weights, output_names=getattr(model, "output_names", None)
+        )
+        internals.set_compile_loss(model, task_loss)
+        model.loss = settings.loss
+    internals.set_compile_config(model, **settings.saved, jit_compile=model.jit_compile)
+    return settings
+
+
+def _resolved_by_class(model, given):
+    """The Keras arguments a class's own `compile` resolved (its defaults filled in), with
+    `steps_per_execution` and `auto_scale_loss` as the caller gave them."""
+    resolved = internals.compile_config(model).config
+    return {
+        **KERAS_DEFAULTS,
+        **{name: value for name, value in resolved.items() if name != "optimizer"},
+        "optimizer": model.optimizer,
+        **{
+            name: given[name]
+            for name in ("steps_per_execution", "auto_scale_loss")
+            if name in given
+        },
+    }
+
+
 @dataclasses.dataclass(frozen=True)
 class CompileSettings:
     """`compile`'s arguments once validated.
@@ -109,7 +191,8 @@ class CompileSettings:
     the `GradientClipping` or `None`, `weighting` the `LossWeighting` (`Static` when
     `loss_weighting` is `None`), `micro_batch_size` `None` or a positive int, and `layout`
     `(task names, static weights)` when the tasks are known at compile, else `None`.
-    `gradient_clipping`, `loss_weighting` and `log_metrics` keep the values given.
+    `gradient_clipping`, `loss_weighting` and `log_metrics` keep the values given;
+    `overrides_compute_loss` says whether the model's class overrides `compute_loss`.
     """
 
     optimizer: keras.optimizers.Optimizer
@@ -131,14 +214,17 @@ class CompileSettings:
     layout: tuple | None
     sam_rho: float | None = None
     sam_adaptive: bool = False
+    overrides_compute_loss: bool = False
 
-    def compile_config(self, jit_compile):
-        """The `get_compile_config()` of the model, given Keras' resolved `jit_compile`.
+    @property
+    def saved(self):
+        """What `get_compile_config()` saves but `jit_compile` (which Keras resolves).
 
-        Only the features that are on: with every feature off the config is a keras.Model
-        one, which Keras' own code applies to plain models (clone_model of a Sequential).
+        Keras' arguments and only the step's options that are on: with every option off it is
+        a `keras.Model` config, which Keras' own code applies to plain models (`clone_model`
+        of a `Sequential`).
         """
-        features = {
+        options = {
             "gradient_clipping": self.clipper,
             "loss_weighting": self.weighting if self.loss_weighting is not None else None,
             "micro_batch_size": self.micro_batch_size,
@@ -147,7 +233,7 @@ class CompileSettings:
             "sam_rho": self.sam_rho,
             "sam_adaptive": self.sam_adaptive or None,
         }
-        return internals.serialization_lib.SerializableDict(
+        return dict(
             optimizer=self.optimizer,
             loss=self.loss,
             loss_weights=self.loss_weights,
@@ -155,60 +241,8 @@ class CompileSettings:
             weighted_metrics=self.weighted_metrics,
             run_eagerly=self.run_eagerly,
             steps_per_execution=self.steps_per_execution,
-            jit_compile=jit_compile,
-            **{name: value for name, value in features.items() if value is not None},
+            **{name: value for name, value in options.items() if value is not None},
         )
-
-
-def check_remat_scopes(model):
-    """The `keras.RematScope` arguments the model's layers were built under, checked at compile.
-
-    Keras checks `mode` when the scope is made but not `output_size_threshold` or
-    `layer_names`, which would fail (or act on nothing) deep inside the first step.
-
-    Raises:
-        ValueError: `output_size_threshold` not a non-negative integer (`"larger_than"`), or
-            `layer_names` not a list of strings (`"list_of_layers"`).
-
-    Warns:
-        FastloopWarning: a `"list_of_layers"` scope none of whose `layer_names` is the name of
-            a layer built under it (it rematerializes nothing).
-    """
-    found = internals.remat_modes(model)
-    for layer_name, remat_mode in found:
-        if remat_mode.mode == "larger_than":
-            threshold = remat_mode.output_size_threshold
-            if not validation.is_int(threshold) or threshold < 0:
-                validation.fail(
-                    "output_size_threshold",
-                    'a non-negative integer (the `keras.RematScope(mode="larger_than")` '
-                    f"layer '{layer_name}' was built under)",
-                    threshold,
-                )
-        elif remat_mode.mode == "list_of_layers":
-            names = remat_mode.layer_names
-            if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
-                validation.fail(
-                    "layer_names",
-                    "a list of layer names (strings) (the `keras.RematScope(mode="
-                    f"\"list_of_layers\")` layer '{layer_name}' was built under)",
-                    names,
-                )
-    scopes = {}
-    for layer_name, remat_mode in found:
-        if remat_mode.mode == "list_of_layers":
-            # one RematMode per layer: scopes made with the same arguments count as one
-            key = tuple(remat_mode.layer_names)
-            scopes.setdefault(key, (remat_mode, set()))[1].add(layer_name)
-    for remat_mode, built in scopes.values():
-        if not built & set(remat_mode.layer_names):
-            warnings.warn(
-                'A `keras.RematScope(mode="list_of_layers")` names no layer built under it, so '
-                f"it rematerializes nothing. Layers built under it: {sorted(built)}. "
-                f"Received: layer_names={list(remat_mode.layer_names)}",
-                FastloopWarning,
-                stacklevel=3,
-            )
 
 
 def validate_compile_arguments(
@@ -249,7 +283,7 @@ def validate_compile_arguments(
         ValueError, TypeError: as listed in `OptimizedModel.compile`; nothing on the model
             is changed.
     """
-    check_remat_scopes(model)
+    checks.check_remat_scopes(model)
     clipper = clipping_module.get(gradient_clipping)
     weighting = weighting_module.get(loss_weighting) or weighting_module.Static()
     weighting_module.check_loss_weights(weighting, loss_weights)
@@ -283,7 +317,7 @@ def validate_compile_arguments(
                 f"Received: {argument}={value!r}"
             )
     if overrides_train_step:
-        _check_custom_step(type(model).__name__, weighting, loss_weighting, micro_batch_size)
+        checks.check_custom_step(type(model).__name__, weighting, loss_weighting, micro_batch_size)
     sam_rho, sam_adaptive = checks.validate_sam(sam_rho, sam_adaptive)
     if sam_rho is not None:
         checks.check_sam_compatible(type(model).__name__, overrides_train_step, weighting, sam_rho)
@@ -309,7 +343,7 @@ def validate_compile_arguments(
     weighting.validate(model, None if layout is None else layout[0], shared_variables)
     _check_log_metrics(log_metrics)
     optimizer = keras.optimizers.get(optimizer)
-    _check_optimizer_clipping(optimizer, clipper)
+    checks.check_optimizer_clipping(optimizer, clipper)
     tuning.validate_steps_per_execution(steps_per_execution, model.distribute_strategy)
     return CompileSettings(
         optimizer=optimizer,
@@ -331,78 +365,8 @@ def validate_compile_arguments(
         layout=layout,
         sam_rho=sam_rho,
         sam_adaptive=sam_adaptive,
+        overrides_compute_loss=overrides_compute_loss,
     )
-
-
-def _check_custom_step(class_name, weighting, loss_weighting, micro_batch_size):
-    """Options a class's own `train_step` cannot reach: refused here, not silently dropped."""
-    if micro_batch_size is not None:
-        raise ValueError(
-            f"`micro_batch_size` needs the library's forward pass, and {class_name} has its own "
-            "`train_step`, which does its own. Call `super().train_step(data)` from it, or "
-            f"split the batch in it. Received: micro_batch_size={micro_batch_size!r}"
-        )
-    if weighting.requires_task_gradients or weighting.has_state_update:
-        raise ValueError(
-            f"Loss weighting '{weighting.name}' needs the library's default `train_step` (per-"
-            f"task gradients or a state update each step); {class_name} has its own. Use a "
-            "method that only combines the losses in `compute_loss` (`uw`, `rlw`, static "
-            f"weights) or call `super().train_step(data)`. Received: loss_weighting={loss_weighting!r}"
-        )
-
-
-def log_metric_names(settings, optimizer):
-    """The optional step metrics to log: as asked, or those of the features that are on.
-
-    `optimizer`: the model's optimizer after Keras' compile (a `LossScaleOptimizer` under a
-    `mixed_float16` policy).
-    """
-    log_metrics, clipper, nonfinite = settings.log_metrics, settings.clipper, settings.nonfinite
-    if log_metrics is None:
-        lso = scaling.is_loss_scale_optimizer(optimizer)
-        names = []
-        if clipper is not None:
-            names.append("grad_norm")
-        if lso or nonfinite != "skip":
-            names.append("skipped_steps")
-        if lso:
-            names.append("loss_scale")
-        return tuple(names)
-    return (log_metrics,) if isinstance(log_metrics, str) else tuple(log_metrics)
-
-
-def _check_optimizer_clipping(optimizer, gradient_clipping):
-    inner = getattr(optimizer, "inner_optimizer", optimizer)
-    set_on_optimizer = {
-        name: getattr(inner, name, None)
-        for name in ("clipnorm", "global_clipnorm", "clipvalue")
-        if getattr(inner, name, None) is not None
-    }
-    if gradient_clipping is not None and set_on_optimizer:
-        raise ValueError(
-            "Gradient clipping is set twice: on the optimizer "
-            f"({', '.join(f'{k}={v}' for k, v in set_on_optimizer.items())}) and in "
-            "`compile(gradient_clipping=...)`. Set it in one place only (prefer "
-            "`gradient_clipping`, which clips the gradient summed across replicas). "
-            f"Received: gradient_clipping={gradient_clipping!r}"
-        )
-    accumulation = getattr(inner, "gradient_accumulation_steps", None)
-    if accumulation and tf.distribute.has_strategy():
-        raise ValueError(
-            "The optimizer's `gradient_accumulation_steps` does not work under tf.distribute "
-            "(Keras 3.15 synchronises inside a conditional, which raises in `fit`, with "
-            "keras.Model too). Use `compile(micro_batch_size=...)` to accumulate inside the "
-            f"step. Received: gradient_accumulation_steps={accumulation}"
-        )
-    if gradient_clipping is not None and accumulation:
-        raise ValueError(
-            "`gradient_clipping` cannot be combined with the optimizer's "
-            "`gradient_accumulation_steps`: the step would clip each batch's gradient before "
-            "Keras accumulates them (a mean of clipped gradients, not the clipped mean). Use "
-            "`compile(micro_batch_size=...)` to accumulate inside the step, where clipping acts "
-            f"on the accumulated gradient. Received: gradient_accumulation_steps={accumulation}, "
-            f"gradient_clipping={gradient_clipping!r}"
-        )
 
 
 def _check_log_metrics(log_metrics):
@@ -411,11 +375,11 @@ def _check_log_metrics(log_metrics):
         return
     if (
         not isinstance(names, (list, tuple))
-        or any(name not in LOG_METRICS for name in names)
+        or any(name not in results.LOG_METRICS for name in names)
         or len(set(names)) != len(names)
     ):
         raise ValueError(
-            f"`log_metrics` must be None or a list of distinct names from {LOG_METRICS}. "
+            f"`log_metrics` must be None or a list of distinct names from {results.LOG_METRICS}. "
             f"Received: log_metrics={log_metrics!r}"
         )
 
@@ -461,11 +425,11 @@ class StepSettings:
     sam_adaptive: bool = False
 
     @classmethod
-    def from_compile(cls, settings, optimizer, overrides_compute_loss=False):
-        """From validated `CompileSettings`, the optimizer Keras' compile set (its loss scale
-        decides the default logs) and whether the class overrides `compute_loss`."""
+    def from_compile(cls, settings, optimizer):
+        """From validated `CompileSettings` and the optimizer Keras' compile set (its loss
+        scale decides the default logs)."""
         return cls(
-            log_metrics=tuple(log_metric_names(settings, optimizer)),
+            log_metrics=results.log_metric_names(settings, optimizer),
             has_loss=settings.loss is not None,
             clipper=settings.clipper,
             weighting=settings.weighting,
@@ -475,7 +439,7 @@ class StepSettings:
             micro_batch_size=settings.micro_batch_size,
             nonfinite=settings.nonfinite,
             tasks_known_at_compile=settings.layout is not None,
-            overrides_compute_loss=overrides_compute_loss,
+            overrides_compute_loss=settings.overrides_compute_loss,
             sam_rho=settings.sam_rho,
             sam_adaptive=settings.sam_adaptive,
             stage_options={

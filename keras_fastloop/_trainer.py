@@ -21,11 +21,9 @@ from keras_fastloop import _fit_loop as fit_loop
 from keras_fastloop import _keras_internals as internals
 from keras_fastloop import clipping as clipping_module
 from keras_fastloop import step as step_module
-from keras_fastloop import tuning
 from keras_fastloop import weighting as weighting_module
 from keras_fastloop._step import (
     batch,
-    losses,
     multi_worker,
     objective,
 )
@@ -155,7 +153,6 @@ class OptimizedTrainer:
                 `Received: ...`); see docs/guide.md for the full list. The model is left as
                 it was.
         """
-        keras_given = compile_settings.bind_keras_arguments(args, kwargs)
         options = dict(
             gradient_clipping=gradient_clipping,
             loss_weighting=loss_weighting,
@@ -166,86 +163,22 @@ class OptimizedTrainer:
             sam_rho=sam_rho,
             sam_adaptive=sam_adaptive,
         )
-        if compile_settings.class_compile_beside(type(self), OptimizedTrainer):
-            # A class beside ours with its own compile defaults (a KerasHub task): it compiles
-            # first with what the caller gave; the step is built on what it resolved.
-            settings = self._compile_through_class(keras_given, options)
-        else:
-            settings = self._validate({**compile_settings.KERAS_DEFAULTS, **keras_given}, options)
-            # Nothing below refuses the arguments: a refused compile left the model as it was.
-            self._compile_keras(settings)
-        self._compile_step(settings)
-        internals.set_compile_config(self, settings.compile_config(jit_compile=self.jit_compile))
-
-    def _validate(self, arguments, options):
-        return compile_settings.validate_compile_arguments(
+        settings = compile_settings.compile_model(
             self,
+            super().compile,
+            args,
+            kwargs,
+            options,
+            # A class beside ours with its own compile defaults (a KerasHub task) compiles
+            # first with what the caller gave; the step is built on what it resolved.
+            through_class=compile_settings.class_compile_beside(type(self), OptimizedTrainer),
             overrides_compute_loss=self._overrides_compute_loss(),
             overrides_train_step=type(self).train_step is not OptimizedTrainer.train_step,
-            **arguments,
-            **options,
         )
-
-    def _compile_through_class(self, keras_given, options):
-        """Compile by the class beside ours, then validate what it resolved."""
-        given = dict(keras_given)
-        if given.get("steps_per_execution") == "auto":
-            given["steps_per_execution"] = 1  # tuned by our fit loop
-        super().compile(**given)
-        resolved = {
-            **compile_settings.KERAS_DEFAULTS,
-            **{k: v for k, v in internals.compile_config(self).config.items() if k != "optimizer"},
-            "optimizer": self.optimizer,
-            **{
-                k: keras_given[k]
-                for k in ("steps_per_execution", "auto_scale_loss")
-                if k in keras_given
-            },
-        }
-        settings = self._validate(resolved, options)
-        self._adopt_loss(settings)
-        return settings
-
-    def _compile_keras(self, settings):
-        """Keras' compile (without the loss) and the model's `TaskLoss`."""
-        # "auto": Keras runs 1 step per slot; tuning.py groups slots into executions.
-        keras_steps_per_execution, _ = tuning.resolve_steps_per_execution(
-            settings.steps_per_execution
-        )
-        super().compile(
-            optimizer=settings.optimizer,
-            loss=None,
-            metrics=settings.metrics,
-            weighted_metrics=settings.weighted_metrics,
-            run_eagerly=settings.run_eagerly,
-            steps_per_execution=keras_steps_per_execution,
-            jit_compile=settings.jit_compile,
-            auto_scale_loss=settings.auto_scale_loss,
-        )
-        self._adopt_loss(settings)
-
-    def _adopt_loss(self, settings):
-        loss, loss_weights = settings.loss, settings.loss_weights
-        if loss is not None:  # as Keras: compile(loss=None) keeps an earlier compiled loss
-            task_loss = losses.TaskLoss(
-                loss, loss_weights, output_names=getattr(self, "output_names", None)
-            )
-            internals.set_compile_loss(self, task_loss)
-            self.loss = loss
-
-    def _compile_step(self, settings):
-        """The model's one `TrainingStep`, from validated settings."""
-        step_settings = compile_settings.StepSettings.from_compile(
-            settings, self.optimizer, overrides_compute_loss=self._overrides_compute_loss()
-        )
-        step = step_module.build(self, step_settings)
-        # "auto": Keras runs 1 step per slot; the fit loop groups slots into executions
-        _, step.auto_steps = tuning.resolve_steps_per_execution(settings.steps_per_execution)
+        step = step_module.TrainingStep(self, settings)
         object.__setattr__(self, "_fastloop_step", step)  # untracked: a plain object
         # The step's variables are saved under this attribute (Keras' saving walks it).
         object.__setattr__(self, "_fastloop_state", step.state)
-        if settings.layout is not None:
-            step.build_weighting(settings.layout)
 
     def _overrides_compute_loss(self):
         return type(self).compute_loss is not OptimizedTrainer.compute_loss

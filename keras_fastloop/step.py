@@ -21,7 +21,7 @@ from keras import ops
 
 from keras_fastloop import _compile_settings as compile_settings
 from keras_fastloop import _keras_internals as internals
-from keras_fastloop import _replicas, mixed_precision
+from keras_fastloop import _replicas, mixed_precision, tuning
 from keras_fastloop import clipping as clipping_module
 from keras_fastloop._step import (
     gradients,
@@ -45,7 +45,7 @@ __all__ = ["TrainingStep"]
 class TrainingStep:
     """Loss scaling, one cross-replica sum, the finite check, clipping and step metrics.
 
-    Built by `compile()` from its arguments; never constructed by hand. A model's own
+    Built by `compile()` from its validated arguments; never constructed by hand. A model's own
     `train_step` (a GAN, a VAE, a distiller) reaches the compiled policies with one call in
     place of `tape.gradient` + `optimizer.apply`:
 
@@ -70,16 +70,19 @@ class TrainingStep:
         metrics: the optional step metrics (`StepMetrics`).
     """
 
-    def __init__(
-        self,
-        model: keras.Model,
-        settings: compile_settings.StepSettings,
-        state: StepState,
-    ) -> None:
+    def __init__(self, model: keras.Model, settings: compile_settings.CompileSettings) -> None:
+        """The step of `model` (just compiled by Keras) from its validated `settings`.
+
+        All step state is created here (or, for models whose outputs are unknown until their
+        first call, in Keras' symbolic build before training), under the caller's scope.
+        """
         self._model = weakref.ref(model)
-        self.settings = settings
-        self.state = state
-        self.metrics = StepMetrics(settings.log_metrics)
+        self.settings = compile_settings.StepSettings.from_compile(settings, model.optimizer)
+        self.state = StepState()
+        if settings.clipper is not None:
+            settings.clipper.build(self.state)
+        guards.build(self.state, settings.nonfinite)
+        self.metrics = StepMetrics(self.settings.log_metrics)
         self.largest_batch = (
             micro_batching_module.largest_batch_variable() if settings.micro_batch_size else None
         )
@@ -92,7 +95,17 @@ class TrainingStep:
         self.warned = set()  # the once-only warnings given ("small_batch", "unconnected", ...)
         self._reached = 0
         self.evaluating = 0  # inside evaluate/test_on_batch: the step metrics are left out
-        self.auto_steps = None  # steps_per_execution="auto": tuning's AutoSteps (set at compile)
+        # "auto": Keras runs 1 step per slot; the fit loop groups slots into executions
+        # (tuning's `AutoSteps`, else `None`).
+        self.auto_steps = tuning.resolve_steps_per_execution(settings.steps_per_execution)[1]
+        if settings.loss is not None and model.dtype_policy.name in (
+            "mixed_float16",
+            "mixed_bfloat16",
+        ):
+            # Keras' mixed-precision guide: outputs that feed a loss should be float32.
+            mixed_precision.check_output_dtypes(model, model.dtype_policy.name)
+        if settings.layout is not None:
+            self.build_weighting(settings.layout)
 
     @property
     def clipper(self):
@@ -385,6 +398,7 @@ class TrainingStep:
             internals.compile_loss(model).names,
             internals.compile_loss(model).static_weights,
         )
+        weighting.shared_variables = self.settings.shared_variables
         weighting.build(model, self.state, names, static_weights)
         if self.settings.weighting_given:
             self.metrics.add_weighting(names, objective=not self.settings.loss_is_objective)
@@ -421,23 +435,3 @@ def _nan_if(none, value):
     if not tf.is_tensor(value) or not tf.as_dtype(value.dtype).is_floating:
         return value
     return ops.where(none, ops.cast(float("nan"), value.dtype), value)
-
-
-def build(model, settings) -> TrainingStep:
-    """The model's `TrainingStep` from its `StepSettings` (in `compile()`).
-
-    All step state is created here (or, for models whose outputs are unknown until their
-    first call, in Keras' symbolic build before training), under the caller's scope.
-    """
-    state = StepState()
-    if settings.clipper is not None:
-        settings.clipper.build(state)
-    guards.build(state, settings.nonfinite)
-    step = TrainingStep(model, settings, state)
-    if settings.has_loss and model.dtype_policy.name in (
-        "mixed_float16",
-        "mixed_bfloat16",
-    ):
-        # Keras' mixed-precision guide: outputs that feed a loss should be float32.
-        mixed_precision.check_output_dtypes(model, model.dtype_policy.name)
-    return step

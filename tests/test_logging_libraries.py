@@ -321,7 +321,8 @@ def _wandb_rows(run_dir, timeout=30.0):
     version), then 32 KiB blocks of chunks `crc32 (4) | length (2) | type (1) | data`, type 1
     a whole record, 2/3/4 its first/middle/last part; a block's tail shorter than a chunk
     header is padding. Each record is a `wandb_internal_pb2.Record`. Waits for the run's exit
-    record (the writer may still be flushing after `finish`).
+    record (the writer may still be flushing after `finish`); a chunk cut short by the end of
+    the file is one still being written, read again on the next pass.
     """
     from wandb.proto import wandb_internal_pb2
 
@@ -341,6 +342,8 @@ def _wandb_rows(run_dir, timeout=30.0):
             if kind == 0:  # zero padding up to the block's end
                 pos += room
                 continue
+            if pos + 7 + length > len(data):  # a chunk still being written: read again
+                break
             payload += data[pos + 7 : pos + 7 + length]
             pos += 7 + length
             if kind in (1, 4):

@@ -3,7 +3,7 @@
 Paths (`PATHS`): the default functional step, an own `train_step` calling
 `fastloop_step.minimize`, `kf.optimized` of a stock, a loaded and a subclassed model,
 `OptimizedSequential`, `kf.optimized(keras.Sequential)`, a KerasHub-like class with its own
-`compile`, a `RematScope` model, UW and PCGrad, and a subclassed UW model with
+`compile`, a `RematScope` model, UW and PCGrad (also with given `shared_variables`), and a subclassed UW model with
 `micro_batch_size` (and, apart, a real KerasHub task); all with `gradient_clipping`, `log_metrics` and
 `nonfinite="raise"`, on real data (`load_digits_data`, 64 images, 64 pixels each). Checked:
 fit -> save -> `load_model` (no `custom_objects`) -> fit equals fit uninterrupted (1e-6) with the
@@ -175,9 +175,11 @@ def _optimized_sequential(tmp_path):
     return kf.optimized(_compile(keras.Sequential(_layers())), **OPTIONS)
 
 
-def _weighted(method, subclassed=False, **extra):
+def _weighted(method, subclassed=False, shared=None, **extra):
     def build(tmp_path):
         model = TwoHeads() if subclassed else kf.OptimizedModel(*_inputs_outputs(two_outputs=True))
+        if shared is not None:
+            extra["shared_variables"] = shared(model)
         return _compile(model, two_outputs=True, loss_weighting=method, **extra, **OPTIONS)
 
     build.two_outputs = True
@@ -196,6 +198,8 @@ PATHS = {
     "optimized_sequential": _optimized_sequential,
     "uw": _weighted("uw", micro_batch_size=8),
     "pcgrad": _weighted("pcgrad"),
+    # the hidden kernel alone is shared (its bias is then a task-specific variable)
+    "pcgrad_shared_kernel": _weighted("pcgrad", shared=lambda model: [model.layers[1].kernel]),
     "subclassed_uw": _weighted("uw", subclassed=True, micro_batch_size=8),
 }
 
@@ -223,7 +227,8 @@ def _trained(build, tmp_path, epochs):
 
 def _compile_options(model):
     step = model.fastloop_step
-    return type(model).__name__, repr(step.clipper), step.micro_batch_size, step.nonfinite
+    shared = model.get_compile_config().get("shared_variables")
+    return type(model).__name__, repr(step.clipper), step.micro_batch_size, step.nonfinite, shared
 
 
 # A class whose own `compile` is custom (a KerasHub task) is not compiled on loading, as Keras

@@ -173,9 +173,9 @@ def compile_config(model):
     return getattr(model, "_compile_config", None)
 
 
-def set_compile_config(model, config):
-    """Sets `model._compile_config`, what `get_compile_config` serializes."""
-    model._compile_config = config
+def set_compile_config(model, **config):
+    """Sets `model._compile_config` (what `get_compile_config` serializes) to `config`."""
+    model._compile_config = serialization_lib.SerializableDict(**config)
 
 
 def compile_metrics(model):

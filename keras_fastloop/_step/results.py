@@ -14,7 +14,29 @@ import keras
 import tensorflow as tf
 from keras import ops
 
+from keras_fastloop._step import scaling
+
 LOG_METRICS = ("grad_norm", "skipped_steps", "loss_scale")
+
+
+def log_metric_names(settings, optimizer):
+    """The optional step metrics to log: as asked, or those of the features that are on.
+
+    `optimizer`: the model's optimizer after Keras' compile (a `LossScaleOptimizer` under a
+    `mixed_float16` policy).
+    """
+    log_metrics, clipper, nonfinite = settings.log_metrics, settings.clipper, settings.nonfinite
+    if log_metrics is None:
+        lso = scaling.is_loss_scale_optimizer(optimizer)
+        names = []
+        if clipper is not None:
+            names.append("grad_norm")
+        if lso or nonfinite != "skip":
+            names.append("skipped_steps")
+        if lso:
+            names.append("loss_scale")
+        return tuple(names)
+    return (log_metrics,) if isinstance(log_metrics, str) else tuple(log_metrics)
 
 
 @dataclasses.dataclass

@@ -224,8 +224,7 @@ class GradientWeighting(LossWeighting):
 
     def build(self, model, state, task_names, static_weights):
         super().build(model, state, task_names, static_weights)
-        step = getattr(model, "fastloop_step", None)
-        self._given_shared = _resolve_shared(model, getattr(step, "shared_variables", None))
+        self._given_shared = _resolve_shared(model, self.shared_variables)
         self.shared_variable_paths = None  # set when the step is traced
         if self.sub_batches > 1:
             name = f"{self.name}_whole_batches"

@@ -2,7 +2,8 @@
 
 The step calls, in order, inside one `tf.function`:
 
-1. `build(model, state, task_names, static_weights)` once, from `compile()`: create every
+1. `build(model, state, task_names, static_weights)` once, from `compile()` (with
+   `shared_variables` set to `compile(shared_variables=...)`'s value): create every
    variable. Trainable ones (e.g. UW's log-variances) with `model.add_weight` so the optimizer
    trains them; state (EMAs, previous losses, current weights) with `state.add_weight(...,
    trainable=False)` so it is checkpointed, restored by `BackupAndRestore` and identical on
@@ -53,6 +54,9 @@ class LossWeighting:
     sub_batches = 1
     # Whether the method uses compile(loss_weights=...) (see weighting.check_loss_weights).
     accepts_loss_weights = False
+    # compile(shared_variables=...) as given (variables or layers), set by the step before
+    # `build`; read by the gradient-based methods (`validate` refuses it for the others).
+    shared_variables = None
 
     def __init__(self) -> None:
         self.task_names = None

@@ -206,6 +206,36 @@ def test_shared_variables_can_be_given():
     assert model.loss_weighting.shared_variable_paths == ["trunk/kernel"]
 
 
+def _two_trunks():
+    inputs = keras.Input((3,))
+    init = keras.initializers.GlorotUniform(seed=1)
+    h = keras.layers.Dense(4, use_bias=False, kernel_initializer=init, name="t1")(inputs)
+    h = keras.layers.Dense(4, use_bias=False, kernel_initializer=init, name="t2")(h)
+    _, a, b = _layers()
+    return OptimizedModel(inputs, {"a": a(h), "b": b(h)})
+
+
+@pytest.mark.parametrize("method", ["mgda", "pcgrad"])
+def test_given_shared_variables_act_and_all_of_them_equal_the_inferred_ones(method):
+    x, y = _data(8)
+    runs = {}
+    for given in (None, ["t1"], ["t1", "t2"]):
+        model = _two_trunks()
+        shared = None if given is None else [model.get_layer(name) for name in given]
+        model.compile("sgd", "mse", loss_weighting=method, shared_variables=shared)
+        history = model.fit(x, y, epochs=2, verbose=0).history
+        paths = model.loss_weighting.shared_variable_paths
+        runs[str(given)] = (paths, history["loss"], [w.numpy() for w in model.weights])
+    assert runs["None"][0] == ["t1/kernel", "t2/kernel"]
+    assert runs["['t1']"][0] == ["t1/kernel"]  # t2 is then a task-specific (summed) variable
+    assert runs["['t1', 't2']"][0] == runs["None"][0]
+    np.testing.assert_array_equal(runs["['t1', 't2']"][1], runs["None"][1])
+    for given_all, inferred in zip(runs["['t1', 't2']"][2], runs["None"][2]):
+        np.testing.assert_array_equal(given_all, inferred)
+    if method == "mgda":  # t2 then gets the plain sum of the tasks' gradients, not MGDA's mix
+        assert not np.array_equal(runs["['t1']"][2][1], runs["None"][2][1])
+
+
 def test_uw_log_variances_are_trained_by_the_model_optimizer():
     x, y = _data(16)
     model = _model()
