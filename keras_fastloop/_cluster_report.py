@@ -14,18 +14,14 @@ import os
 import keras
 
 from keras_fastloop import _fit_run as fit_run
+from keras_fastloop import _tf_internals as tf_internals
 
 __all__ = ["worker_line"]
 
 
-def num_workers(strategy):
-    """The number of workers of `strategy` (1 for a single-process strategy)."""
-    return int(getattr(getattr(strategy, "extended", None), "_num_workers", 1) or 1)
-
-
 def worker_line(model):
     """`[_WorkerLine()]` when the model's strategy spans several workers, else `[]`."""
-    if num_workers(model.distribute_strategy) <= 1:
+    if tf_internals.num_workers(model.distribute_strategy) <= 1:
         return []
     return [_WorkerLine()]
 
@@ -33,7 +29,7 @@ def worker_line(model):
 class _WorkerLine(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         strategy = self.model.distribute_strategy
-        workers = num_workers(strategy)
+        workers = tf_internals.num_workers(strategy)
         task = json.loads(os.environ.get("TF_CONFIG", "{}")).get("task", {})
         index = task.get("index", "?")
         local = len(strategy.extended.worker_devices)

@@ -245,7 +245,7 @@ def maybe_symbolic_build(model, keras_maybe_symbolic_build, iterator=None, data_
             data_batch = first_local_batch(strategy, next(it))
             break
     with strategy.scope():
-        model._symbolic_build(data_batch=data_batch)
+        internals.symbolic_build(model, data_batch)
     return None
 
 

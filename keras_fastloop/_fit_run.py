@@ -24,6 +24,7 @@ import weakref
 
 import keras
 
+from keras_fastloop import _keras_internals as internals
 from keras_fastloop.callbacks import events
 
 __all__ = ["FitRun", "current_run", "skip_next_epoch_batches"]
@@ -69,7 +70,7 @@ class FitRun:
         else:
             _RUNS[self.model] = self._previous
         if self.iterator is not None:
-            self.iterator.__dict__.pop("_enumerate_iterator", None)
+            internals.set_enumerate_iterator(self.iterator, None)
         if self.auto is not None:
             self.auto.end_fit()
         return False
@@ -91,13 +92,13 @@ class FitRun:
         if not self._pending_capture or iterator is None:
             return
         self._pending_capture = False
-        if not hasattr(iterator, "_enumerate_iterator"):  # pragma: no cover - Keras changed
+        original = internals.enumerate_iterator(iterator)
+        if original is None:  # pragma: no cover - Keras changed
             raise RuntimeError(
                 "keras_fastloop's fit loop relies on Keras' `EpochIterator._enumerate_iterator`, "
                 f"which this Keras version lacks. Received: {type(iterator).__name__}"
             )
         self.iterator = iterator
-        original = iterator._enumerate_iterator
         if self.auto is not None:
             self.auto.plan(self.callbacks, iterator.num_batches, _accumulation(self.model))
 
@@ -110,7 +111,7 @@ class FitRun:
                 slots = self._grouped(slots)
             return slots
 
-        iterator._enumerate_iterator = transformed
+        internals.set_enumerate_iterator(iterator, transformed)
 
     def _grouped(self, slots):
         """Joins Keras' one-batch slots into executions of `k` steps (`"auto"`).

@@ -55,22 +55,20 @@ class _MidEpochResume(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         # Runs after `backup.on_train_begin`, which restored the weights and the epoch.
         self._resumed_epoch = None
-        path = self.backup._training_metadata_path
-        if not os.path.exists(path) or not os.path.exists(self.backup._weights_path):
+        files = internals.backup_files(self.backup)
+        if not os.path.exists(files.metadata) or not os.path.exists(files.weights):
             return
-        with open(path) as f:
+        with open(files.metadata) as f:
             metadata = json.load(f)
         epoch, batch = int(metadata["epoch"]), int(metadata["batch"])
-        self.backup._batches_seen_since_last_saving = 0
+        internals.set_save_counters(self.backup, batches_since_saving=0)
         steps = (self.params or {}).get("steps")
         if steps and batch + 1 >= steps:  # the backup ends epoch `epoch`: resume at the next
             internals.set_initial_epoch(self.model, epoch + 1)
-            self.backup._current_epoch = epoch + 1
-            self.backup._last_batch_seen = -1
+            internals.set_save_counters(self.backup, epoch=epoch + 1, last_batch=-1)
             self._align_checkpoints((epoch + 1) * steps, -1)
             return
-        self.backup._current_epoch = epoch
-        self.backup._last_batch_seen = batch
+        internals.set_save_counters(self.backup, epoch=epoch, last_batch=batch)
         self._resumed_epoch = epoch
         fit_run.skip_next_epoch_batches(self.model, batch + 1)
         if steps:
@@ -82,12 +80,15 @@ class _MidEpochResume(keras.callbacks.Callback):
             if isinstance(callback, keras.callbacks.ModelCheckpoint) and _is_int(
                 callback.save_freq
             ):
-                callback._batches_seen_since_last_saving = done % callback.save_freq
-                callback._last_batch_seen = None if last_batch < 0 else last_batch
+                internals.set_save_counters(
+                    callback,
+                    batches_since_saving=done % callback.save_freq,
+                    last_batch=None if last_batch < 0 else last_batch,
+                )
 
     def on_epoch_begin(self, epoch, logs=None):
         if epoch == self._resumed_epoch:  # continues mid-epoch from the restored batch
             self._resumed_epoch = None
             return
         # Keras starts this counter at 0, so its first execution of `s` batches counts `s - 1`.
-        self.backup._last_batch_seen = -1
+        internals.set_save_counters(self.backup, last_batch=-1)

@@ -75,3 +75,20 @@ __all__ = [
     "first_health_check_timeout",
     "profiler_op_stats",
 ]
+
+
+def num_workers(strategy):
+    """The number of workers of `strategy`: its `extended._num_workers` (TensorFlow's
+    multi-worker strategies), 1 for a single-process strategy or none."""
+    return int(getattr(getattr(strategy, "extended", None), "_num_workers", 1) or 1)
+
+
+def set_optional_spec(optional, spec):
+    """Sets a `tf.experimental.Optional`'s `_element_spec` (as Keras' own multi-step loop
+    does, so that the loop's branches agree on the structure they carry)."""
+    optional._element_spec = spec
+
+
+def dataset_inputs(dataset):
+    """The data sets a `tf.data.Dataset` transforms (its private `_inputs()`)."""
+    return dataset._inputs()

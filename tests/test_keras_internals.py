@@ -151,6 +151,17 @@ def test_epoch_iterator_seams_of_the_fit_loop():
     )
     iterator = EpochIterator(tf.data.Dataset.range(6).batch(2))
     assert iterator.data_adapter.num_batches == 3
+    from keras_fastloop import _keras_internals as internals
+
+    original = internals.enumerate_iterator(iterator)
+
+    def first_slot():
+        yield from list(original())[:1]
+
+    internals.set_enumerate_iterator(iterator, first_slot)
+    assert len(list(iterator)) == 1  # iterating goes through the replacement
+    internals.set_enumerate_iterator(iterator, None)
+    assert len(list(iterator)) == 3
     unknown = EpochIterator(tf.data.Dataset.range(6).filter(lambda v: v >= 0).batch(2))
     assert unknown.data_adapter.num_batches is None
     fit = inspect.getsource(TensorFlowTrainer.fit)
@@ -170,6 +181,22 @@ def test_checkpoint_callback_counters_used_by_resume_and_step_events():
     assert checkpoint._batches_seen_since_last_saving == 0 and checkpoint._last_batch_seen is None
     source = inspect.getsource(keras.callbacks.ModelCheckpoint._should_save_on_batch)
     assert "self._batches_seen_since_last_saving >= self.save_freq" in source
+    from keras_fastloop import _keras_internals as internals
+
+    assert internals.batches_since_saving(checkpoint) == 0
+    assert internals.batches_since_saving(keras.callbacks.EarlyStopping()) is None
+    files = internals.backup_files(backup)
+    assert files == (
+        backup._weights_path,
+        backup._training_metadata_path,
+        backup._prev_weights_path,
+        backup._prev_training_metadata_path,
+    )
+    internals.set_save_counters(backup, epoch=3, last_batch=5, batches_since_saving=2)
+    assert (backup._current_epoch, backup._last_batch_seen) == (3, 5)
+    assert backup._batches_seen_since_last_saving == 2
+    with pytest.raises(KeyError):
+        internals.set_save_counters(checkpoint, epochs=1)  # a counter no callback has
 
 
 # ----------------------------------------------------------- keras_fastloop/_step/prebuild.py
@@ -358,6 +385,12 @@ def test_multi_worker_start_up_knobs_of_tensorflow():
     )
     tf.constant(0.0)  # the context starts
     assert internals.eager_context_started()
+    # `num_workers` reads the count every multi-worker set-up of the strategy records.
+    extended = collective_all_reduce_strategy.CollectiveAllReduceExtended
+    for set_up in (extended._initialize_local, extended._initialize_multi_worker):
+        assert "self._num_workers = " in inspect.getsource(set_up)
+    assert internals.num_workers(tf.distribute.get_strategy()) == 1
+    assert internals.num_workers(None) == 1
 
 
 # ------------------------------------------------------------ keras_fastloop/callbacks/ema.py
@@ -381,3 +414,23 @@ def test_optimizer_ema_attributes_and_update_hook():
     )
     optimizer.apply([keras.ops.ones(2)], [variable])
     assert calls == [(optimizer._trainable_variables, 0)]  # before the increment
+
+
+# ------------------------------------------- keras_fastloop/tuning/_glue.py, data/bucketing.py
+
+
+def test_tensorflow_optional_spec_and_dataset_inputs():
+    """The "auto" loop sets an `Optional`'s spec as Keras' own multi-step loop does; the
+    bucketing check walks a data set's inputs."""
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+
+    from keras_fastloop import _tf_internals as internals
+
+    assert "._element_spec = " in inspect.getsource(TensorFlowTrainer._make_function)
+    optional = tf.experimental.Optional.empty(None)
+    spec = tf.TensorSpec((), tf.float32)
+    internals.set_optional_spec(optional, spec)
+    assert optional.element_spec == spec
+    source = tf.data.Dataset.range(4)
+    (inputs,) = internals.dataset_inputs(source.batch(2))
+    assert inputs is source

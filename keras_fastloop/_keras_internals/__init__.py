@@ -6,6 +6,7 @@ rematerialization, in `remat.py` beside this file) and nowhere else, and
 """
 
 import contextlib
+from typing import NamedTuple
 
 import keras
 from keras.src.backend import get_keras_mask
@@ -93,6 +94,69 @@ def epoch_iterator_element_spec(iterator):
     """
     dataset = getattr(iterator, "_distributed_dataset", None)
     return getattr(dataset, "element_spec", None)
+
+
+def enumerate_iterator(iterator):
+    """The generator function of Keras' `EpochIterator` that yields an epoch's `(begin, end,
+    data iterator)` slots (`_enumerate_iterator`), or `None` when Keras lacks it."""
+    return getattr(iterator, "_enumerate_iterator", None)
+
+
+def set_enumerate_iterator(iterator, function):
+    """Replaces `_enumerate_iterator` on this one iterator; `None` restores the class's."""
+    if function is None:
+        iterator.__dict__.pop("_enumerate_iterator", None)
+    else:
+        iterator._enumerate_iterator = function
+
+
+def batches_since_saving(callback):
+    """A `ModelCheckpoint`'s own count of batches since it last saved (an int), else `None`.
+
+    Keras counts them in `_batches_seen_since_last_saving` and saves when it reaches the
+    callback's integer `save_freq`.
+    """
+    return getattr(callback, "_batches_seen_since_last_saving", None)
+
+
+class BackupFiles(NamedTuple):
+    """A `BackupAndRestore`'s files: the weights and the `{"epoch", "batch"}` metadata it
+    restores, and their previous versions (kept when `double_checkpoint=True`)."""
+
+    weights: str
+    metadata: str
+    previous_weights: str
+    previous_metadata: str
+
+
+def backup_files(backup):
+    """The `BackupFiles` of a `keras.callbacks.BackupAndRestore` (Keras' private paths)."""
+    return BackupFiles(
+        backup._weights_path,
+        backup._training_metadata_path,
+        backup._prev_weights_path,
+        backup._prev_training_metadata_path,
+    )
+
+
+_SAVE_COUNTERS = {
+    "batches_since_saving": "_batches_seen_since_last_saving",
+    "last_batch": "_last_batch_seen",
+    "epoch": "_current_epoch",
+}
+
+
+def set_save_counters(callback, **counters):
+    """Sets the counters by which a `BackupAndRestore` or `ModelCheckpoint` decides when to
+    save: `batches_since_saving`, `last_batch` (the last batch index seen) and, for
+    `BackupAndRestore`, `epoch`."""
+    for name, value in counters.items():
+        setattr(callback, _SAVE_COUNTERS[name], value)
+
+
+def symbolic_build(model, data_batch):
+    """Keras' `model._symbolic_build`: builds the compiled metrics and loss on `data_batch`."""
+    model._symbolic_build(data_batch=data_batch)
 
 
 def tensorboard_train_writer(callback):

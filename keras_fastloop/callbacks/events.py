@@ -47,6 +47,7 @@ import numbers
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+from keras_fastloop import _keras_internals as internals
 from keras_fastloop import _validation
 
 if TYPE_CHECKING:
@@ -108,7 +109,7 @@ def _save_gap(callback):
     save_freq = getattr(callback, "save_freq", None)
     if not _positive_int(save_freq):
         return None
-    seen = getattr(callback, "_batches_seen_since_last_saving", None)  # Keras' own counter
+    seen = internals.batches_since_saving(callback)
     if not isinstance(seen, numbers.Integral):
         return None
     return max(1, int(save_freq) - int(seen))

@@ -27,6 +27,8 @@ import threading
 import keras
 import tensorflow as tf
 
+from keras_fastloop import _keras_internals as internals
+from keras_fastloop import _tf_internals as tf_internals
 from keras_fastloop import _validation
 
 __all__ = ["PREEMPTED_EXIT_CODE", "SaveOnPreemption"]
@@ -138,7 +140,7 @@ class SaveOnPreemption(keras.callbacks.Callback):
 
     def _agreed(self):
         strategy = getattr(self.model, "distribute_strategy", None) or tf.distribute.get_strategy()
-        workers = getattr(getattr(strategy, "extended", None), "_num_workers", 1) or 1
+        workers = tf_internals.num_workers(strategy)
         if workers <= 1:
             return self.requested
         flag = tf.constant(1 if self.requested else 0, tf.int32)
@@ -149,8 +151,7 @@ class SaveOnPreemption(keras.callbacks.Callback):
     def _save(self, epoch, batch):
         directory = self.backup.backup_dir
         os.makedirs(directory, exist_ok=True)
-        weights = self.backup._weights_path
-        metadata = self.backup._training_metadata_path
+        files = internals.backup_files(self.backup)
         tmp_weights = os.path.join(directory, _TMP_WEIGHTS)
         tmp_metadata = os.path.join(directory, _TMP_METADATA)
         self.model.save_weights(tmp_weights, overwrite=True)
@@ -162,10 +163,10 @@ class SaveOnPreemption(keras.callbacks.Callback):
             os.fsync(f.fileno())
         if self.backup.double_checkpoint:
             for path, previous in (
-                (weights, self.backup._prev_weights_path),
-                (metadata, self.backup._prev_training_metadata_path),
+                (files.weights, files.previous_weights),
+                (files.metadata, files.previous_metadata),
             ):
                 if os.path.exists(path):
                     shutil.copyfile(path, previous)
-        os.replace(tmp_weights, weights)
-        os.replace(tmp_metadata, metadata)
+        os.replace(tmp_weights, files.weights)
+        os.replace(tmp_metadata, files.metadata)

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import tensorflow as tf
 
+from keras_fastloop import _tf_internals as tf_internals
 from keras_fastloop import _validation
 from keras_fastloop._warnings import FastloopWarning
 
@@ -401,7 +402,7 @@ def _batching_transformation(dataset):
                 return None
             if name in _BATCHING_DATASETS:
                 return _BATCHING_DATASETS[name]
-            inputs = dataset._inputs()
+            inputs = tf_internals.dataset_inputs(dataset)
             if not inputs:
                 return None
             dataset = inputs[0]

@@ -14,6 +14,7 @@ import warnings
 import keras
 import tensorflow as tf
 
+from keras_fastloop import _tf_internals as tf_internals
 from keras_fastloop import _validation
 from keras_fastloop._warnings import FastloopWarning
 from keras_fastloop.callbacks import events
@@ -315,11 +316,11 @@ def _variable_steps_function(model, step_function, state):
                 outputs = tf.experimental.Optional.from_value(
                     one_step_on_data(next_optional_inputs.get_value())
                 )
-                empty_outputs._element_spec = outputs.element_spec
+                tf_internals.set_optional_spec(empty_outputs, outputs.element_spec)
                 return outputs
 
             def no_has_next():
-                optional_outputs._element_spec = empty_outputs._element_spec
+                tf_internals.set_optional_spec(optional_outputs, empty_outputs.element_spec)
                 return optional_outputs
 
             outputs = tf.cond(
@@ -342,7 +343,7 @@ def _variable_steps_function(model, step_function, state):
             body,
             loop_vars=[tf.constant(0), empty_outputs, iterator.get_next_as_optional()],
         )
-        final._element_spec = empty_outputs.element_spec
+        tf_internals.set_optional_spec(final, empty_outputs.element_spec)
         return final
 
     multi_step_on_iterator = tf.function(multi_step_on_iterator, reduce_retracing=True)
