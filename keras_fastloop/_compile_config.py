@@ -40,9 +40,7 @@ def get_compile_config(model):
     task_loss = internals.compile_loss(model)
     step = model.fastloop_step
     if step.settings.shared_variables is not None:
-        config["shared_variables"] = [
-            variable.path for variable in _variables(step.settings.shared_variables)
-        ]
+        config["shared_variables"] = _paths(model, _variables(step.settings.shared_variables))
     needs_tasks = step.weighting_given and not step.tasks_known_at_compile
     if needs_tasks and isinstance(task_loss, losses.TaskLoss) and task_loss.names:
         # The default static weights are rebuilt from `loss_weights` at the first step.
@@ -94,17 +92,43 @@ def _variables(items):
         yield from item.trainable_variables if isinstance(item, keras.layers.Layer) else [item]
 
 
+def _paths(model, variables):
+    """The saved form of `variables`: each one's path, or `[path, n]` for the `n`-th of the
+    model's trainable variables with that path (functional sub-models' paths leave out the
+    sub-model's name, so two of them may give the same path)."""
+    by_path = {}
+    for variable in model.trainable_variables:
+        by_path.setdefault(variable.path, []).append(variable)
+    saved = []
+    for variable in variables:
+        same = by_path.get(variable.path, [variable])
+        if len(same) == 1:
+            saved.append(variable.path)
+        else:
+            saved.append([variable.path, next(n for n, v in enumerate(same) if v is variable)])
+    return saved
+
+
 def _by_path(model, paths):
-    """The model's trainable variables at the saved `paths`.
+    """The model's trainable variables at the saved `paths` (as `_paths` saved them).
 
     Raises:
-        ValueError: a path the loaded model does not have.
+        ValueError: a path the loaded model does not have (or, saved alone, has twice).
     """
-    variables = {variable.path: variable for variable in model.trainable_variables}
-    missing = [path for path in paths if path not in variables]
+    by_path = {}
+    for variable in model.trainable_variables:
+        by_path.setdefault(variable.path, []).append(variable)
+    found, missing = [], []
+    for entry in paths:
+        path, n = (entry, None) if isinstance(entry, str) else (entry[0], entry[1])
+        same = by_path.get(path, [])
+        if (len(same) == 1) if n is None else (0 <= n < len(same)):
+            found.append(same[n or 0])
+        else:
+            missing.append(entry)
     if missing:
         raise ValueError(
             "The saved compile config's `shared_variables` must name trainable variables of "
-            f"the loaded model ({sorted(variables)}). Received: shared_variables={missing}"
+            f"the loaded model ({sorted(by_path)}). Received: shared_variables={missing}"
         )
-    return [variables[path] for path in paths]
+    return found

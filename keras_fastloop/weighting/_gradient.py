@@ -81,6 +81,7 @@ import numpy as np
 import tensorflow as tf
 from keras import ops
 
+from keras_fastloop import _keras_internals as internals
 from keras_fastloop import _replicas
 from keras_fastloop._replicas import state_variable
 from keras_fastloop._warnings import FastloopWarning
@@ -173,17 +174,50 @@ class _ReportWholeBatches(keras.callbacks.Callback):
         self.method.report_whole_batches()
 
 
-def _resolve_shared(model, shared):
-    if shared is None:
-        return None
+def _check_shared_list(shared):
     if not isinstance(shared, (list, tuple)) or not shared:
         raise ValueError(
             "`shared_variables` must be None or a non-empty list of variables or layers. "
             f"Received: shared_variables={shared!r}"
         )
+
+
+def _check_unbuilt(model, shared):
+    """What can be checked of `shared_variables` before the model's variables exist."""
+    _check_shared_list(shared)
+    layers = {id(layer) for layer in internals.flatten_layers(model)}
+    for item in shared:
+        if isinstance(item, keras.layers.Layer):
+            if id(item) not in layers or item is model:
+                raise ValueError(
+                    "Every layer of `shared_variables` must be a layer of the model. "
+                    f"Received: shared_variables with the layer {item.name!r}"
+                )
+            if not item.trainable:
+                raise ValueError(
+                    "Every layer of `shared_variables` must be trainable. "
+                    f"Received: shared_variables with the frozen layer {item.name!r}"
+                )
+        elif not getattr(item, "trainable", False):
+            raise ValueError(
+                "Every entry of `shared_variables` must be a trainable variable (or layer) of "
+                f"the model. Received: shared_variables with {getattr(item, 'path', item)!r}"
+            )
+
+
+def _resolve_shared(model, shared):
+    if shared is None:
+        return None
+    _check_shared_list(shared)
     variables = []
     for item in shared:
         if isinstance(item, keras.layers.Layer):
+            if not item.trainable_variables:
+                raise ValueError(
+                    "Every layer of `shared_variables` must have trainable variables. "
+                    f"Received: shared_variables with the layer {item.name!r} (trainable="
+                    f"{item.trainable})"
+                )
             variables.extend(item.trainable_variables)
         else:
             variables.append(item)
@@ -221,6 +255,8 @@ class GradientWeighting(LossWeighting):
         super().validate(model, task_names, shared_variables)
         if model.built:
             _resolve_shared(model, shared_variables)
+        elif shared_variables is not None:
+            _check_unbuilt(model, shared_variables)
 
     def build(self, model, state, task_names, static_weights):
         super().build(model, state, task_names, static_weights)

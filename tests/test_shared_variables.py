@@ -1,0 +1,84 @@
+"""`compile(shared_variables=...)`: refused at compile when it cannot act, saved so that a
+loaded model shares the same variables."""
+
+import keras
+import numpy as np
+import pytest
+
+from keras_fastloop import OptimizedModel
+
+
+def _data(n=8):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(n, 3)).astype("float32")
+    y = {"a": rng.normal(size=(n, 1)).astype("float32"), "b": rng.normal(size=(n, 1)) * 3}
+    return x, y
+
+
+def _functional():
+    inputs = keras.Input((3,))
+    trunk = keras.layers.Dense(4, name="trunk")
+    h = trunk(inputs)
+    outputs = {"a": keras.layers.Dense(1, name="a")(h), "b": keras.layers.Dense(1, name="b")(h)}
+    return trunk, OptimizedModel(inputs, outputs)
+
+
+class TwoHeads(OptimizedModel):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.trunk = keras.layers.Dense(4)
+        self.a = keras.layers.Dense(1)
+        self.b = keras.layers.Dense(1)
+
+    def call(self, x):
+        h = self.trunk(x)
+        return {"a": self.a(h), "b": self.b(h)}
+
+
+def test_a_frozen_layer_is_refused_at_compile():
+    trunk, model = _functional()
+    trunk.trainable = False
+    with pytest.raises(ValueError, match="Received: shared_variables"):
+        model.compile("sgd", "mse", loss_weighting="pcgrad", shared_variables=[trunk])
+    assert not model.compiled
+
+
+@pytest.mark.parametrize("given", ["foreign_layer", "frozen_layer", "frozen_variable"])
+def test_what_an_unbuilt_model_cannot_share_is_refused_at_compile(given):
+    model = TwoHeads()
+    if given == "foreign_layer":
+        shared = [keras.layers.Dense(4)]
+    elif given == "frozen_layer":
+        model.trunk.trainable = False
+        shared = [model.trunk]
+    else:
+        shared = [keras.Variable(np.ones((3, 4)), trainable=False)]
+    with pytest.raises(ValueError, match="Received: shared_variables"):
+        model.compile("sgd", "mse", loss_weighting="pcgrad", shared_variables=shared)
+    assert not model.compiled
+
+
+def _branch(name):
+    inputs = keras.Input((4,))
+    return keras.Model(inputs, keras.layers.Dense(4, name="same")(inputs), name=name)
+
+
+def test_variables_with_the_same_path_are_found_again_on_loading(tmp_path):
+    # Functional sub-models give their variables paths without the sub-model's name.
+    inputs = keras.Input((3,))
+    h = keras.layers.Dense(4, name="trunk")(inputs)
+    first, second = _branch("first"), _branch("second")
+    outputs = {
+        "a": keras.layers.Dense(1, name="a")(first(h)),
+        "b": keras.layers.Dense(1, name="b")(second(h)),
+    }
+    model = OptimizedModel(inputs, outputs)
+    given = first.get_layer("same").kernel
+    assert given.path == second.get_layer("same").kernel.path
+    model.compile("sgd", "mse", loss_weighting="pcgrad", shared_variables=[given])
+    model.save(tmp_path / "model.keras")
+    loaded = keras.models.load_model(tmp_path / "model.keras")
+    x, y = _data()
+    loaded.fit(x, y, verbose=0)
+    (found,) = loaded.loss_weighting._given_shared
+    assert found is loaded.get_layer("first").get_layer("same").kernel
