@@ -10,6 +10,7 @@ passed, so a refused `compile` leaves the model as it was (optimizer, clipping, 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import inspect
@@ -128,23 +129,24 @@ def compile_model(
 
     Raises:
         TypeError, ValueError: as `bind_keras_arguments` and `validate_compile_arguments`;
-            nothing on the model is changed (but what a class's own `compile` did).
+            nothing on the model is changed (what a class's own `compile` set is undone).
     """
     given = bind_keras_arguments(args, kwargs)
-    if through_class:
-        # "auto" is ours: the class's compile runs 1 step per slot, tuned by our fit loop.
-        auto = "steps_per_execution" in given and given["steps_per_execution"] == "auto"
-        keras_compile(**{**given, "steps_per_execution": 1} if auto else given)
-        arguments = _resolved_by_class(model, given)
-    else:
-        arguments = {**KERAS_DEFAULTS, **given}
-    settings = validate_compile_arguments(
-        model,
-        overrides_compute_loss=overrides_compute_loss,
-        overrides_train_step=overrides_train_step,
-        **arguments,
-        **options,
-    )
+    with _restored_if_refused(model, through_class):
+        if through_class:
+            # "auto" is ours: the class's compile runs 1 step per slot, tuned by our fit loop.
+            auto = "steps_per_execution" in given and given["steps_per_execution"] == "auto"
+            keras_compile(**{**given, "steps_per_execution": 1} if auto else given)
+            arguments = _resolved_by_class(model, given)
+        else:
+            arguments = {**KERAS_DEFAULTS, **given}
+        settings = validate_compile_arguments(
+            model,
+            overrides_compute_loss=overrides_compute_loss,
+            overrides_train_step=overrides_train_step,
+            **arguments,
+            **options,
+        )
     if not through_class:
         # The loss is ours (`TaskLoss`, below); "auto": Keras runs 1 step per slot.
         keras_compile(
@@ -165,6 +167,30 @@ def compile_model(
         model.loss = settings.loss
     internals.set_compile_config(model, **settings.saved, jit_compile=model.jit_compile)
     return settings
+
+
+@contextlib.contextmanager
+def _restored_if_refused(model, through_class):
+    """Undoes what a class's own `compile` set on `model` when the arguments are refused.
+
+    The class compiles before the validation (its defaults are known only then); its
+    attributes (and the lists it appended to, such as the tracked metrics) are put back.
+    """
+    if not through_class:
+        yield
+        return
+    attributes = dict(vars(model))
+    contents = {id(value): list(value) for value in attributes.values() if type(value) is list}
+    try:
+        yield
+    except Exception:
+        for name in [name for name in vars(model) if name not in attributes]:
+            del vars(model)[name]
+        for value in attributes.values():
+            if id(value) in contents:
+                value[:] = contents[id(value)]
+        vars(model).update(attributes)
+        raise
 
 
 def _resolved_by_class(model, given):

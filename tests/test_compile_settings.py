@@ -87,3 +87,54 @@ def test_the_build_half_of_compile_raises_nothing_itself():
     for function in build_half:
         assert not _raises(function), function.__qualname__
     assert _raises(compile_settings.bind_keras_arguments)  # the check can see a raise
+
+
+class _Task(keras.Model):
+    """A KerasHub-like task: its own `compile` fills in defaults (a class beside ours)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.head = keras.layers.Dense(2, activation="softmax")
+
+    def call(self, x):
+        return self.head(x)
+
+    def compile(self, optimizer="auto", loss="auto", **kwargs):
+        optimizer = keras.optimizers.Adam(0.01) if optimizer == "auto" else optimizer
+        loss = "sparse_categorical_crossentropy" if loss == "auto" else loss
+        super().compile(optimizer=optimizer, loss=loss, **kwargs)
+
+
+def _compile_state(model):
+    config = model.get_compile_config()
+    step = model.fastloop_step
+    return model.optimizer, model.loss, step, config, list(model.metrics), model.compiled
+
+
+@pytest.mark.parametrize("through_class", [False, True], ids=["keras", "class_beside"])
+@pytest.mark.parametrize(
+    "refused",
+    [
+        dict(nonfinite="bogus"),
+        dict(optimizer="adam", loss="mse", gradient_clipping="bogus"),
+        dict(optimizer="adam", loss="mse", metrics=["mae"], micro_batch_size=-1),
+    ],
+)
+def test_a_refused_compile_after_one_leaves_the_model_as_it_was(through_class, refused):
+    import keras_fastloop as kf
+
+    if through_class:
+        model = kf.optimized(_Task())
+        assert compile_settings.class_compile_beside(type(model), _trainer.OptimizedTrainer)
+    else:
+        inputs = keras.Input((3,))
+        model = OptimizedModel(inputs, keras.layers.Dense(2, activation="softmax")(inputs))
+    model(keras.ops.ones((1, 3)))
+    model.compile(keras.optimizers.SGD(), "sparse_categorical_crossentropy")
+    before = _compile_state(model)
+    with pytest.raises((ValueError, TypeError), match="Received"):
+        model.compile(**refused)
+    after = _compile_state(model)
+    for was, now in zip(before, after):
+        assert was is now or was == now
+    model.fit(keras.ops.ones((4, 3)), keras.ops.zeros((4,)), verbose=0)  # still trains
