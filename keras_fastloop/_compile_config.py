@@ -92,20 +92,30 @@ def _variables(items):
         yield from item.trainable_variables if isinstance(item, keras.layers.Layer) else [item]
 
 
+def _layer_variables(model):
+    """The variables of the model's layers, in Keras' (deterministic) tracking order."""
+    seen, found = set(), []
+    for layer in model.layers:
+        for variable in layer.variables:
+            if id(variable) not in seen:
+                seen.add(id(variable))
+                found.append(variable)
+    return found
+
+
 def _paths(model, variables):
-    """The saved form of `variables`: each one's path, or `[path, n]` for the `n`-th of the
-    model's trainable variables with that path (functional sub-models' paths leave out the
-    sub-model's name, so two of them may give the same path)."""
-    by_path = {}
-    for variable in model.trainable_variables:
-        by_path.setdefault(variable.path, []).append(variable)
+    """The saved form of `variables`: `{"path", "layer_variable"}`, the index among
+    `_layer_variables`, for a layer's variable, else `{"path", "model_variable"}`, the name
+    of one of the model's own. Paths alone do not find them again: a subclassed model's
+    auto-named layers get other names when loaded, and functional sub-models' paths leave
+    out the sub-model's name."""
+    index = {id(variable): n for n, variable in enumerate(_layer_variables(model))}
     saved = []
     for variable in variables:
-        same = by_path.get(variable.path, [variable])
-        if len(same) == 1:
-            saved.append(variable.path)
+        if id(variable) in index:
+            saved.append({"path": variable.path, "layer_variable": index[id(variable)]})
         else:
-            saved.append([variable.path, next(n for n, v in enumerate(same) if v is variable)])
+            saved.append({"path": variable.path, "model_variable": variable.name})
     return saved
 
 
@@ -113,22 +123,30 @@ def _by_path(model, paths):
     """The model's trainable variables at the saved `paths` (as `_paths` saved them).
 
     Raises:
-        ValueError: a path the loaded model does not have (or, saved alone, has twice).
+        ValueError: one the loaded model does not have (or has not trainable).
     """
-    by_path = {}
-    for variable in model.trainable_variables:
-        by_path.setdefault(variable.path, []).append(variable)
+    layer_variables = _layer_variables(model)
+    listed = {id(variable) for variable in layer_variables}
+    own = {}
+    for variable in model.variables:
+        if id(variable) not in listed:
+            own.setdefault(variable.name, []).append(variable)
+    trainable = {id(variable) for variable in model.trainable_variables}
     found, missing = [], []
     for entry in paths:
-        path, n = (entry, None) if isinstance(entry, str) else (entry[0], entry[1])
-        same = by_path.get(path, [])
-        if (len(same) == 1) if n is None else (0 <= n < len(same)):
-            found.append(same[n or 0])
+        n, name = entry.get("layer_variable"), entry.get("model_variable")
+        if n is not None:
+            candidates = [layer_variables[n]] if 0 <= n < len(layer_variables) else []
         else:
-            missing.append(entry)
+            candidates = own.get(name, [])
+        if len(candidates) == 1 and id(candidates[0]) in trainable:
+            found.append(candidates[0])
+        else:
+            missing.append(entry["path"])
     if missing:
         raise ValueError(
             "The saved compile config's `shared_variables` must name trainable variables of "
-            f"the loaded model ({sorted(by_path)}). Received: shared_variables={missing}"
+            f"the loaded model ({[v.path for v in model.trainable_variables]}). Received: "
+            f"shared_variables={missing}"
         )
     return found

@@ -3,7 +3,7 @@
 Paths (`PATHS`): the default functional step, an own `train_step` calling
 `fastloop_step.minimize`, `kf.optimized` of a stock, a loaded and a subclassed model,
 `OptimizedSequential`, `kf.optimized(keras.Sequential)`, a KerasHub-like class with its own
-`compile`, a `RematScope` model, UW and PCGrad (also with given `shared_variables`), and a subclassed UW model with
+`compile`, a `RematScope` model, UW, PCGrad and DB-MTL (also with given `shared_variables`), and a subclassed UW model with
 `micro_batch_size` (and, apart, a real KerasHub task); all with `gradient_clipping`, `log_metrics` and
 `nonfinite="raise"`, on real data (`load_digits_data`, 64 images, 64 pixels each). Checked:
 fit -> save -> `load_model` (no `custom_objects`) -> fit equals fit uninterrupted (1e-6) with the
@@ -200,6 +200,11 @@ PATHS = {
     "pcgrad": _weighted("pcgrad"),
     # the hidden kernel alone is shared (its bias is then a task-specific variable)
     "pcgrad_shared_kernel": _weighted("pcgrad", shared=lambda model: [model.layers[1].kernel]),
+    # per-variable state (DB-MTL's averages) made for the given variables only
+    "db_mtl_shared_kernel": _weighted("db_mtl", shared=lambda model: [model.layers[1].kernel]),
+    "subclassed_db_mtl_shared_layer": _weighted(
+        "db_mtl", subclassed=True, shared=lambda model: [model.hidden]
+    ),
     "subclassed_uw": _weighted("uw", subclassed=True, micro_batch_size=8),
 }
 
@@ -227,7 +232,11 @@ def _trained(build, tmp_path, epochs):
 
 def _compile_options(model):
     step = model.fastloop_step
-    shared = model.get_compile_config().get("shared_variables")
+    # found by position (a loaded subclassed model's auto-named layers have other paths)
+    shared = [
+        {k: v for k, v in entry.items() if k != "path"}
+        for entry in model.get_compile_config().get("shared_variables") or []
+    ]
     return type(model).__name__, repr(step.clipper), step.micro_batch_size, step.nonfinite, shared
 
 

@@ -82,3 +82,50 @@ def test_variables_with_the_same_path_are_found_again_on_loading(tmp_path):
     loaded.fit(x, y, verbose=0)
     (found,) = loaded.loss_weighting._given_shared
     assert found is loaded.get_layer("first").get_layer("same").kernel
+
+
+@keras.saving.register_keras_serializable("test_shared_variables")
+class OwnTrunk(OptimizedModel):
+    """A subclassed model whose shared trunk is its own weight, beside auto-named heads."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.a = keras.layers.Dense(1)
+        self.b = keras.layers.Dense(1)
+
+    def build(self, input_shape):
+        init = keras.initializers.GlorotUniform(seed=3)
+        self.trunk = self.add_weight(shape=(input_shape[-1], 4), initializer=init, name="w")
+        self.a.build((None, 4))
+        self.b.build((None, 4))
+
+    def call(self, x):
+        h = keras.ops.matmul(x, self.trunk)
+        return {"a": self.a(h), "b": self.b(h)}
+
+
+@pytest.mark.parametrize("method", ["imtl", "db_mtl"])
+def test_a_loaded_subclassed_model_shares_the_same_variables(method, tmp_path):
+    x, y = _data(16)
+
+    def compiled():
+        keras.utils.set_random_seed(0)
+        _ = TwoHeads()  # the next model's layers get other auto names than the saved ones
+        model = OwnTrunk()
+        model.build((None, 3))
+        shared = [model.trunk, model.a.kernel]
+        model.compile("sgd", "mse", loss_weighting=method, shared_variables=shared)
+        return model
+
+    uninterrupted = compiled()
+    uninterrupted.fit(x, y, epochs=2, batch_size=8, shuffle=False, verbose=0)
+    first = compiled()
+    first.fit(x, y, epochs=1, batch_size=8, shuffle=False, verbose=0)
+    first.save(tmp_path / "model.keras")
+    loaded = keras.models.load_model(tmp_path / "model.keras")
+    loaded.fit(x, y, epochs=1, batch_size=8, shuffle=False, verbose=0)
+    assert [
+        v is w for v, w in zip(loaded.loss_weighting._given_shared, [loaded.trunk, loaded.a.kernel])
+    ] == [True, True]
+    for resumed, reference in zip(loaded.weights, uninterrupted.weights):
+        np.testing.assert_allclose(resumed.numpy(), reference.numpy(), rtol=1e-6, atol=1e-6)
