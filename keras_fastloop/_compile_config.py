@@ -2,7 +2,8 @@
 
 The config is `CompileSettings.saved` with Keras' resolved `jit_compile` (only the features
 that are on, so with every feature off it is a `keras.Model` one); `shared_variables`, when
-given, as the paths of the variables (found again by path on loading); and, for a loss
+given, by position (each a layer variable's index or a model weight's name, with its path
+for messages; paths alone differ in a loaded subclassed model); and, for a loss
 weighting whose tasks were unknown at `compile`, the task names and static weights: a loaded
 model then creates its weighting state before its variables load.
 """
@@ -40,7 +41,7 @@ def get_compile_config(model):
     task_loss = internals.compile_loss(model)
     step = model.fastloop_step
     if step.settings.shared_variables is not None:
-        config["shared_variables"] = _paths(model, _variables(step.settings.shared_variables))
+        config["shared_variables"] = _positions(model, _variables(step.settings.shared_variables))
     needs_tasks = step.weighting_given and not step.tasks_known_at_compile
     if needs_tasks and isinstance(task_loss, losses.TaskLoss) and task_loss.names:
         # The default static weights are rebuilt from `loss_weights` at the first step.
@@ -78,7 +79,7 @@ def compile_from_config(model, config, custom_compile):
     with keras.saving.custom_object_scope(_registry.library_objects()):
         config = internals.serialization_lib.deserialize_keras_object(config)
     if config.get("shared_variables") is not None:
-        config["shared_variables"] = _by_path(model, config["shared_variables"])
+        config["shared_variables"] = _by_position(model, config["shared_variables"])
     model.compile(**config)
     if task_names is not None:
         model.fastloop_step.build_weighting((task_names, task_weights))
@@ -103,7 +104,7 @@ def _layer_variables(model):
     return found
 
 
-def _paths(model, variables):
+def _positions(model, variables):
     """The saved form of `variables`: `{"path", "layer_variable"}`, the index among
     `_layer_variables`, for a layer's variable, else `{"path", "model_variable"}`, the name
     of one of the model's own. Paths alone do not find them again: a subclassed model's
@@ -119,8 +120,8 @@ def _paths(model, variables):
     return saved
 
 
-def _by_path(model, paths):
-    """The model's trainable variables at the saved `paths` (as `_paths` saved them).
+def _by_position(model, paths):
+    """The model's trainable variables at the saved `paths` (as `_positions` saved them).
 
     Raises:
         ValueError: one the loaded model does not have (or has not trainable).
