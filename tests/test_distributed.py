@@ -81,6 +81,8 @@ def _train(strategy, cls=kf.OptimizedModel, epochs=2, data=None, optimizer=None,
         opt = optimizer() if optimizer else keras.optimizers.SGD(0.05, momentum=0.9)
         # Adaptive weighting methods refuse loss_weights (weighting.check_loss_weights).
         loss_weights = None if kwargs.get("loss_weighting") else {"a": 1.0, "b": 0.5}
+        if "shared" in kwargs:  # a function of the model: its variables exist only here
+            kwargs["shared_variables"] = kwargs.pop("shared")(model)
         model.compile(opt, {"a": "mse", "b": "mse"}, loss_weights=loss_weights, **kwargs)
     history = model.fit(_dataset(x, y, sw), epochs=epochs, verbose=0)
     replicas = [
@@ -121,6 +123,21 @@ def test_all_features_replica_invariant():
     np.testing.assert_allclose(
         two[3].loss_weighting.weights.numpy(), one[3].loss_weighting.weights.numpy(), atol=1e-6
     )
+
+
+@pytest.mark.parametrize("method", ["pcgrad", "db_mtl"])
+def test_given_shared_subset_replica_invariant(method):
+    """Only the trunk's kernel shared (its bias then gets the plain sum): 2 replicas equal 1."""
+    strategy = _two_replicas()
+    kwargs = dict(loss_weighting=method, regularize=False)
+    shared = lambda model: [model.get_layer("shared").kernel]  # noqa: E731
+    one = _train(tf.distribute.get_strategy(), shared=shared, **kwargs)
+    two = _train(strategy, shared=shared, **kwargs)
+    _assert_invariant(one, two)
+    assert two[3].loss_weighting.shared_variable_paths == ["shared/kernel"]
+    inferred = _train(tf.distribute.get_strategy(), **kwargs)
+    assert inferred[3].loss_weighting.shared_variable_paths == ["shared/kernel", "shared/bias"]
+    assert not np.array_equal(inferred[1][1], one[1][1])  # the bias: the subset acted
 
 
 def test_micro_batching_replica_invariant():
