@@ -129,3 +129,44 @@ def test_a_loaded_subclassed_model_shares_the_same_variables(method, tmp_path):
     ] == [True, True]
     for resumed, reference in zip(loaded.weights, uninterrupted.weights):
         np.testing.assert_allclose(resumed.numpy(), reference.numpy(), rtol=1e-6, atol=1e-6)
+
+
+def _fit(model, method, shared, epochs=2):
+    x, y = _data(16)
+    model.compile("sgd", "mse", loss_weighting=method, shared_variables=shared)
+    history = model.fit(x, y, epochs=epochs, batch_size=8, verbose=0).history
+    return history["loss"], [w.numpy() for w in model.weights]
+
+
+@pytest.mark.parametrize("method", ["db_mtl", "excess_mtl"])
+def test_per_variable_state_given_all_equals_inferred_and_a_subset_keeps_only_its_own(method):
+    keras.utils.set_random_seed(0)
+    _, model = _functional()
+    initial = [w.numpy() for w in model.weights]
+    inferred = _fit(model, method, None)
+    for name in ("layer", "kernel"):
+        trunk, model = _functional()
+        model.set_weights(initial)
+        run = _fit(model, method, [trunk] if name == "layer" else [trunk.kernel])
+        buffered = [variable for variable, _, _ in model.loss_weighting._buffers]
+        if name == "layer":  # the trunk's variables are the inferred shared set
+            assert buffered == [trunk.kernel, trunk.bias]
+            assert run[0] == inferred[0]
+            for given, reference in zip(run[1], inferred[1]):
+                np.testing.assert_array_equal(given, reference)
+        else:
+            assert buffered == [trunk.kernel]
+
+
+def test_a_second_compile_uses_its_own_shared_variables():
+    trunk, model = _functional()
+    _fit(model, "db_mtl", [trunk.kernel], epochs=1)
+    assert model.loss_weighting.shared_variable_paths == ["trunk/kernel"]
+    _fit(model, "db_mtl", [trunk], epochs=1)
+    assert model.loss_weighting.shared_variable_paths == ["trunk/kernel", "trunk/bias"]
+    assert [v for v, _, _ in model.loss_weighting._buffers] == [trunk.kernel, trunk.bias]
+    saved = model.get_compile_config()["shared_variables"]
+    assert [entry["path"] for entry in saved] == ["trunk/kernel", "trunk/bias"]
+    _fit(model, "db_mtl", None, epochs=1)
+    assert "shared_variables" not in model.get_compile_config()
+    assert model.loss_weighting.shared_variable_paths == ["trunk/kernel", "trunk/bias"]
