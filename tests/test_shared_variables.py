@@ -170,3 +170,24 @@ def test_a_second_compile_uses_its_own_shared_variables():
     _fit(model, "db_mtl", None, epochs=1)
     assert "shared_variables" not in model.get_compile_config()
     assert model.loss_weighting.shared_variable_paths == ["trunk/kernel", "trunk/bias"]
+
+
+def test_an_unbuilt_model_given_a_layer_equals_one_built_before_compile():
+    runs = {}
+    for build in ("called", "build_without_variables", "unbuilt"):
+        keras.utils.set_random_seed(0)
+        model = TwoHeads()
+        if build == "called":
+            model(np.zeros((1, 3), "float32"))
+        elif build == "build_without_variables":  # Keras marks it built, its layers are not
+            model.build((None, 3))
+        runs[build] = (model, _fit(model, "db_mtl", [model.trunk]))
+    reference, (loss, weights) = runs["called"]
+    for build in ("build_without_variables", "unbuilt"):
+        model, (other_loss, other_weights) = runs[build]
+        shared = [variable for variable, _, _ in model.loss_weighting._buffers]
+        assert shared == [model.trunk.kernel, model.trunk.bias]
+        assert len(model.loss_weighting.shared_variable_paths) == 2
+        assert other_loss == loss
+        for a, b in zip(other_weights, weights):
+            np.testing.assert_array_equal(a, b)

@@ -183,7 +183,7 @@ def _check_shared_list(shared):
 
 
 def _check_unbuilt(model, shared):
-    """What can be checked of `shared_variables` before the model's variables exist."""
+    """What can be checked of `shared_variables` before the layers' variables exist."""
     _check_shared_list(shared)
     layers = {id(layer) for layer in internals.flatten_layers(model)}
     for item in shared:
@@ -212,7 +212,7 @@ def _resolve_shared(model, shared):
     variables = []
     for item in shared:
         if isinstance(item, keras.layers.Layer):
-            if not item.trainable_variables:
+            if item.built and not item.trainable_variables:
                 raise ValueError(
                     "Every layer of `shared_variables` must have trainable variables. "
                     f"Received: shared_variables with the layer {item.name!r} (trainable="
@@ -253,10 +253,10 @@ class GradientWeighting(LossWeighting):
 
     def validate(self, model, task_names, shared_variables=None):
         super().validate(model, task_names, shared_variables)
+        if shared_variables is not None:
+            _check_unbuilt(model, shared_variables)
         if model.built:
             _resolve_shared(model, shared_variables)
-        elif shared_variables is not None:
-            _check_unbuilt(model, shared_variables)
 
     def build(self, model, state, task_names, static_weights):
         super().build(model, state, task_names, static_weights)
