@@ -430,7 +430,6 @@ class StepSettings:
         stage_options: the options that act only through the stages, as given (named in the
             warning for a custom step that never reaches them).
         log_metrics: the optional step metrics logged (`log_metric_names`).
-        has_loss: whether `compile` was given a loss.
         sam_rho: `None` or the SAM radius (a float > 0).
         sam_adaptive: whether SAM is adaptive (ASAM).
     """
@@ -446,7 +445,6 @@ class StepSettings:
     stage_options: dict
     overrides_compute_loss: bool
     log_metrics: tuple = ()
-    has_loss: bool = True
     sam_rho: float | None = None
     sam_adaptive: bool = False
 
@@ -456,7 +454,6 @@ class StepSettings:
         scale decides the default logs)."""
         return cls(
             log_metrics=results.log_metric_names(settings, optimizer),
-            has_loss=settings.loss is not None,
             clipper=settings.clipper,
             weighting=settings.weighting,
             weighting_given=settings.loss_weighting is not None,
